@@ -1,0 +1,142 @@
+//! `gpunode`: share GPUs peer to peer.
+//!
+//! The binary is thin: it parses flags (clap), folds them over the config file, and
+//! calls into `gpunode-node`. Commands that need the daemon talk to it over the local
+//! API socket; `offers` starts a short-lived client node when no daemon runs. Errors are
+//! printed once, with their causes, and exit with code 2.
+
+mod commands;
+mod output;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+
+/// Share idle GPUs with peers, and run work on theirs, without any central server.
+#[derive(Debug, Parser)]
+#[command(name = "gpunode", version, about, long_about = None, propagate_version = true)]
+struct Cli {
+    /// Data directory holding identity key, store and control socket
+    /// [default: ~/.local/share/gpunode].
+    #[arg(long, global = true, env = "GPUNODE_DATA_DIR", value_name = "DIR")]
+    data_dir: Option<PathBuf>,
+    /// Config file (TOML) [default: ~/.config/gpunode/config.toml].
+    #[arg(long, global = true, env = "GPUNODE_CONFIG", value_name = "FILE")]
+    config: Option<PathBuf>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run a node that lends this machine's idle GPUs (runs until Ctrl-C or SIGTERM).
+    Serve(ServeArgs),
+    /// List providers currently offering matching resources.
+    Offers(OffersArgs),
+    /// Show the local node: peer id, addresses, peers, advert and GPUs.
+    Status(StatusArgs),
+    /// Print this node's peer id (creating the identity on first use).
+    Id,
+}
+
+/// Network flags shared by commands that start a node.
+#[derive(Debug, Args, Clone, Default)]
+struct NetworkArgs {
+    /// Peer to connect to at start, as a multiaddr (repeatable; adds to the config's list).
+    #[arg(long, value_name = "MULTIADDR")]
+    bootstrap: Vec<String>,
+    /// Do not look for peers on the local network by mDNS.
+    #[arg(long)]
+    no_mdns: bool,
+}
+
+#[derive(Debug, Args)]
+struct ServeArgs {
+    #[command(flatten)]
+    net: NetworkArgs,
+    /// Address to listen on (repeatable; replaces the config's list),
+    /// e.g. /ip4/0.0.0.0/udp/4170/quic-v1 or /ip4/0.0.0.0/tcp/4170.
+    #[arg(long, value_name = "MULTIADDR")]
+    listen: Vec<String>,
+    /// Serve simulated GPUs (test networks only), e.g. 2xA100-80GB,1xT4-16GB.
+    #[arg(long, value_name = "SPEC")]
+    simulate_gpus: Option<String>,
+    /// Price per GPU-hour, in credits.
+    #[arg(long, value_name = "CREDITS")]
+    price: Option<f64>,
+    /// Executors to offer, comma separated (wasm, container).
+    #[arg(long, value_name = "LIST", value_delimiter = ',')]
+    backends: Option<Vec<String>>,
+    /// Also serve /metrics on this localhost address, e.g. 127.0.0.1:9464.
+    #[arg(long, value_name = "ADDR")]
+    metrics_addr: Option<String>,
+    /// How long an advert stays valid, e.g. 10m.
+    #[arg(long, value_name = "DURATION")]
+    advert_ttl: Option<String>,
+    /// How often to read the GPU inventory, e.g. 2s.
+    #[arg(long, value_name = "DURATION")]
+    inventory_poll: Option<String>,
+}
+
+#[derive(Debug, Args)]
+struct OffersArgs {
+    #[command(flatten)]
+    net: NetworkArgs,
+    /// GPU model or family, e.g. A100, H100, RTX4090.
+    #[arg(long, value_name = "MODEL")]
+    gpu_model: Option<String>,
+    /// Least memory per GPU, e.g. 40G.
+    #[arg(long, value_name = "SIZE")]
+    min_gpu_mem: Option<String>,
+    /// Least number of matching GPUs.
+    #[arg(long, value_name = "N")]
+    gpus: Option<u32>,
+    /// Backend the provider must offer (wasm, container).
+    #[arg(long, value_name = "NAME")]
+    backend: Option<String>,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// Without a daemon: how long to look for peers before asking, e.g. 5s.
+    #[arg(long, value_name = "DURATION", default_value = "5s")]
+    discover_for: String,
+}
+
+#[derive(Debug, Args)]
+struct StatusArgs {
+    /// Print JSON instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    match runtime.block_on(commands::run(cli)) {
+        Ok(code) => code,
+        Err(err) => {
+            if is_broken_pipe(&err) {
+                return ExitCode::SUCCESS;
+            }
+            eprintln!("error: {err}");
+            for cause in err.chain().skip(1) {
+                eprintln!("  caused by: {cause}");
+            }
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn is_broken_pipe(err: &anyhow::Error) -> bool {
+    err.chain().any(|c| {
+        c.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+    })
+}

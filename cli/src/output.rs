@@ -1,0 +1,177 @@
+//! Tables and text for people: offers, status and the local GPU table.
+
+use std::collections::BTreeMap;
+use std::io::{self, Write};
+use std::time::Duration;
+
+use gpunode_node::{NodeStatus, OfferView};
+use gpunode_protocol::gpu::GpuState;
+use gpunode_protocol::time::now_ms;
+use gpunode_protocol::units::{format_age, format_bytes};
+
+/// `12D3KooW…abcdef`: enough of a peer id to tell peers apart in a table.
+pub fn short_peer(id: &str) -> String {
+    if id.len() <= 16 {
+        return id.to_string();
+    }
+    format!("{}…{}", &id[..8], &id[id.len() - 6..])
+}
+
+fn table(out: &mut impl Write, header: &[&str], rows: &[Vec<String>]) -> io::Result<()> {
+    let mut widths: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
+    for row in rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let line = |cells: Vec<String>| {
+        cells
+            .iter()
+            .zip(&widths)
+            .map(|(c, w)| format!("{c:<w$}"))
+            .collect::<Vec<_>>()
+            .join("  ")
+            .trim_end()
+            .to_string()
+    };
+    writeln!(out, "{}", line(header.iter().map(|s| s.to_string()).collect()))?;
+    for row in rows {
+        writeln!(out, "{}", line(row.clone()))?;
+    }
+    Ok(())
+}
+
+/// GPUs of an offer grouped by model: `2x A100-80GB 80G (1 idle, 1 busy)`.
+pub fn gpu_summary(offer: &OfferView) -> String {
+    if offer.gpus.is_empty() {
+        return "none (CPU only)".to_string();
+    }
+    let mut groups: BTreeMap<(String, u64), (usize, usize)> = BTreeMap::new();
+    for g in &offer.gpus {
+        let e = groups.entry((g.model.clone(), g.memory_bytes)).or_default();
+        e.0 += 1;
+        if g.state == GpuState::Idle {
+            e.1 += 1;
+        }
+    }
+    groups
+        .into_iter()
+        .map(|((model, mem), (n, idle))| {
+            let state = match (idle, n - idle) {
+                (i, 0) => format!("{i} idle"),
+                (0, b) => format!("{b} busy"),
+                (i, b) => format!("{i} idle, {b} busy"),
+            };
+            format!("{n}x {model} {} ({state})", format_bytes(mem))
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// The `gpunode offers` table.
+pub fn print_offers(out: &mut impl Write, offers: &[OfferView]) -> io::Result<()> {
+    if offers.is_empty() {
+        return writeln!(out, "No matching offers found.");
+    }
+    let now = now_ms();
+    let rows: Vec<Vec<String>> = offers
+        .iter()
+        .map(|o| {
+            vec![
+                short_peer(&o.peer_id),
+                gpu_summary(o),
+                o.cpu_cores.to_string(),
+                format_bytes(o.ram_bytes),
+                o.backends.join(","),
+                format!("{:.2}", o.price_per_gpu_hour),
+                if o.simulated { "simulated" } else { "real" }.to_string(),
+                format_age(Duration::from_millis(now.saturating_sub(o.issued_at_ms))),
+            ]
+        })
+        .collect();
+    table(
+        out,
+        &["PEER", "GPUS", "CPUS", "RAM", "BACKENDS", "PRICE/GPU-H", "KIND", "AGE"],
+        &rows,
+    )
+}
+
+/// The `gpunode status` text.
+pub fn print_status(out: &mut impl Write, s: &NodeStatus) -> io::Result<()> {
+    writeln!(out, "Peer ID:        {}", s.peer_id)?;
+    writeln!(out, "Version:        {}", s.version)?;
+    writeln!(out, "Listening on:   {}", s.listen_addrs.join(", "))?;
+    writeln!(
+        out,
+        "Peers:          {} connected, {} in routing table",
+        s.connected_peers.len(),
+        s.routing_table_size
+    )?;
+    let a = &s.advert;
+    if !a.enabled {
+        writeln!(out, "Advert:         none (client node)")?;
+    } else if a.seq == 0 {
+        writeln!(out, "Advert:         not yet published")?;
+    } else {
+        let now = now_ms();
+        writeln!(
+            out,
+            "Advert:         seq {}, issued {} ago, expires in {}, stored at {} peers",
+            a.seq,
+            format_age(Duration::from_millis(now.saturating_sub(a.issued_at_ms))),
+            format_age(Duration::from_millis(a.expires_at_ms.saturating_sub(now))),
+            a.stored_at_peers
+        )?;
+    }
+    let inv = &s.inventory;
+    if inv.gpus.is_empty() {
+        return writeln!(out, "GPUs:           none found (serving CPU-only)");
+    }
+    let kind = if inv.simulated() {
+        "simulated".to_string()
+    } else {
+        format!("driver {}", inv.driver_version.as_deref().unwrap_or("unknown"))
+    };
+    writeln!(out, "GPUs ({kind}):")?;
+    let rows: Vec<Vec<String>> = inv
+        .gpus
+        .iter()
+        .map(|g| {
+            vec![
+                g.index.to_string(),
+                g.name.clone(),
+                g.uuid.clone(),
+                format!(
+                    "{} / {}",
+                    format_bytes(g.memory_used_bytes),
+                    format_bytes(g.memory_total_bytes)
+                ),
+                format!("{}%", g.utilization_percent),
+                match g.mig_enabled {
+                    Some(true) => "on",
+                    Some(false) => "off",
+                    None => "n/a",
+                }
+                .to_string(),
+                g.compute_capability
+                    .map(|(a, b)| format!("{a}.{b}"))
+                    .unwrap_or_else(|| "-".to_string()),
+                g.state.label().to_string(),
+                if g.processes.is_empty() {
+                    "-".to_string()
+                } else {
+                    g.processes
+                        .iter()
+                        .map(|p| p.pid.to_string())
+                        .collect::<Vec<_>>()
+                        .join(",")
+                },
+            ]
+        })
+        .collect();
+    table(
+        out,
+        &["IDX", "NAME", "UUID", "MEMORY", "UTIL", "MIG", "CC", "STATE", "PIDS"],
+        &rows,
+    )
+}

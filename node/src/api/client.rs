@@ -1,0 +1,92 @@
+//! Client side of the local API: HTTP/1.1 over the daemon's Unix socket.
+
+use std::path::{Path, PathBuf};
+
+use http_body_util::{BodyExt, Empty};
+use hyper::body::Bytes;
+use hyper_util::rt::TokioIo;
+use serde::de::DeserializeOwned;
+use tokio::net::UnixStream;
+
+/// Why a call to the daemon failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// No daemon listens on the socket.
+    #[error("no gpunode daemon is running with this data dir (socket {0})")]
+    NotRunning(PathBuf),
+    /// The connection broke or the reply was not HTTP.
+    #[error("talking to the daemon failed: {0}")]
+    Transport(String),
+    /// The daemon answered with an error.
+    #[error("the daemon answered {status}: {body}")]
+    Status {
+        /// HTTP status.
+        status: u16,
+        /// Its message.
+        body: String,
+    },
+    /// The reply did not decode.
+    #[error("unexpected reply from the daemon: {0}")]
+    Decode(String),
+}
+
+/// Talks to the daemon whose socket is at `socket`.
+#[derive(Debug, Clone)]
+pub struct ApiClient {
+    socket: PathBuf,
+}
+
+impl ApiClient {
+    /// A client for the socket at `socket` (nothing is opened yet).
+    pub fn new(socket: &Path) -> ApiClient {
+        ApiClient {
+            socket: socket.to_path_buf(),
+        }
+    }
+
+    /// Whether a daemon answers on the socket.
+    pub async fn is_running(&self) -> bool {
+        UnixStream::connect(&self.socket).await.is_ok()
+    }
+
+    /// `GET path`, returning the body text.
+    pub async fn get_text(&self, path_and_query: &str) -> Result<String, ClientError> {
+        let stream = UnixStream::connect(&self.socket)
+            .await
+            .map_err(|_| ClientError::NotRunning(self.socket.clone()))?;
+        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .map_err(|e| ClientError::Transport(e.to_string()))?;
+        let conn_task = tokio::spawn(conn);
+        let request = hyper::Request::get(path_and_query)
+            .header(hyper::header::HOST, "gpunode")
+            .body(Empty::<Bytes>::new())
+            .map_err(|e| ClientError::Transport(e.to_string()))?;
+        let response = sender
+            .send_request(request)
+            .await
+            .map_err(|e| ClientError::Transport(e.to_string()))?;
+        let status = response.status();
+        let body = response
+            .into_body()
+            .collect()
+            .await
+            .map_err(|e| ClientError::Transport(e.to_string()))?
+            .to_bytes();
+        conn_task.abort();
+        let text = String::from_utf8_lossy(&body).into_owned();
+        if !status.is_success() {
+            return Err(ClientError::Status {
+                status: status.as_u16(),
+                body: text,
+            });
+        }
+        Ok(text)
+    }
+
+    /// `GET path`, decoding the JSON body.
+    pub async fn get_json<T: DeserializeOwned>(&self, path_and_query: &str) -> Result<T, ClientError> {
+        let text = self.get_text(path_and_query).await?;
+        serde_json::from_str(&text).map_err(|e| ClientError::Decode(e.to_string()))
+    }
+}

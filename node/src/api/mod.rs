@@ -1,0 +1,152 @@
+//! The local API: HTTP over a Unix socket in the data directory (mode 0600), used by the
+//! CLI to talk to the running daemon, plus `/metrics` in Prometheus text format (also
+//! servable on a localhost TCP port).
+//!
+//! Routes: `GET /v1/status`, `GET /v1/offers?gpu_model=&min_gpu_mem=&gpus=&backend=`,
+//! `GET /metrics`.
+
+mod client;
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use axum::extract::{Query, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::{Json, Router};
+use gpunode_protocol::advert::OfferFilter;
+use serde::{Deserialize, Serialize};
+use tokio::net::{TcpListener, UnixListener};
+use tokio::sync::watch;
+
+pub use client::{ApiClient, ClientError};
+
+use crate::metrics::Metrics;
+use crate::NodeHandle;
+
+/// Why the local API could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    /// A daemon already answers on the socket.
+    #[error("a gpunode daemon is already running with this data dir (socket {0}); stop it first or use another --data-dir")]
+    AlreadyRunning(PathBuf),
+    /// The socket could not be created.
+    #[error("cannot create API socket {path}: {source}")]
+    Bind {
+        /// The socket path.
+        path: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+}
+
+/// Query parameters of `/v1/offers`.
+#[derive(Debug, Default, Clone, Serialize, Deserialize)]
+pub struct OffersQuery {
+    /// GPU model or family.
+    pub gpu_model: Option<String>,
+    /// Least memory per GPU, bytes.
+    pub min_gpu_mem: Option<u64>,
+    /// Least number of matching GPUs.
+    pub gpus: Option<u32>,
+    /// Backend.
+    pub backend: Option<String>,
+}
+
+impl From<OffersQuery> for OfferFilter {
+    fn from(q: OffersQuery) -> Self {
+        OfferFilter {
+            gpu_model: q.gpu_model,
+            min_gpu_mem_bytes: q.min_gpu_mem,
+            gpus: q.gpus,
+            backend: q.backend,
+        }
+    }
+}
+
+/// Binds the socket: refuses if a daemon answers there, removes a stale file, sets 0600.
+pub fn bind_socket(path: &Path) -> Result<UnixListener, ApiError> {
+    if path.exists() {
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            return Err(ApiError::AlreadyRunning(path.to_path_buf()));
+        }
+        let _ = std::fs::remove_file(path);
+    }
+    let err = |source| ApiError::Bind {
+        path: path.to_path_buf(),
+        source,
+    };
+    let listener = UnixListener::bind(path).map_err(err)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(err)?;
+    Ok(listener)
+}
+
+struct ApiError500(String);
+
+impl IntoResponse for ApiError500 {
+    fn into_response(self) -> Response {
+        (StatusCode::SERVICE_UNAVAILABLE, self.0).into_response()
+    }
+}
+
+async fn status(State(node): State<NodeHandle>) -> Result<Json<crate::NodeStatus>, ApiError500> {
+    node.status()
+        .await
+        .map(Json)
+        .map_err(|e| ApiError500(e.to_string()))
+}
+
+async fn offers(
+    State(node): State<NodeHandle>,
+    Query(q): Query<OffersQuery>,
+) -> Result<Json<Vec<crate::OfferView>>, ApiError500> {
+    node.find_offers(q.into())
+        .await
+        .map(Json)
+        .map_err(|e| ApiError500(e.to_string()))
+}
+
+async fn metrics_text(metrics: Arc<Metrics>) -> Response {
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        metrics.encode(),
+    )
+        .into_response()
+}
+
+/// Serves the full API on the Unix socket until `stop` turns true.
+pub async fn serve_unix(listener: UnixListener, node: NodeHandle, mut stop: watch::Receiver<bool>) {
+    let metrics = node.metrics().clone();
+    let path = listener
+        .local_addr()
+        .ok()
+        .and_then(|a| a.as_pathname().map(Path::to_path_buf));
+    let app = Router::new()
+        .route("/v1/status", get(status))
+        .route("/v1/offers", get(offers))
+        .route("/metrics", get(move || metrics_text(metrics.clone())))
+        .with_state(node);
+    let _ = axum::serve(listener, app)
+        .with_graceful_shutdown(async move {
+            let _ = stop.wait_for(|s| *s).await;
+        })
+        .await;
+    if let Some(path) = path {
+        let _ = std::fs::remove_file(path);
+    }
+}
+
+/// Serves only `/metrics` on a localhost TCP listener until `stop` turns true.
+pub async fn serve_metrics(listener: TcpListener, metrics: Arc<Metrics>, mut stop: watch::Receiver<bool>) {
+    let app = Router::new().route("/metrics", get(move || metrics_text(metrics.clone())));
+    let _ = axum::serve(listener, app)
+        .with_graceful_shutdown(async move {
+            let _ = stop.wait_for(|s| *s).await;
+        })
+        .await;
+}

@@ -1,0 +1,264 @@
+//! Node configuration: the TOML file, its defaults, and the checks that turn it into
+//! settings the node can start with.
+//!
+//! Every option has a default, so `gpunode serve` runs with no file at all. An unknown
+//! key or a value of the wrong type is an error that names the key and its line (the
+//! TOML parser reports the span). Command-line flags are applied on top by the CLI.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use gpunode_protocol::units::{parse_bytes, parse_duration};
+use libp2p::Multiaddr;
+use serde::{Deserialize, Deserializer};
+
+/// Default port for TCP and QUIC.
+pub const DEFAULT_PORT: u16 = 4170;
+
+/// Why configuration could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The config file could not be read.
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// The config file is not valid (unknown key, wrong type, bad value).
+    #[error("invalid config file {path}: {message}")]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// The parser's message, naming key and line.
+        message: String,
+    },
+    /// A value given on the command line or in the file is invalid.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// Everything a node can be configured with. Field names are the TOML keys.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct NodeConfig {
+    /// Addresses to listen on (QUIC and TCP multiaddrs).
+    #[serde(deserialize_with = "de_multiaddrs")]
+    pub listen: Vec<Multiaddr>,
+    /// Peers to connect to at start, as multiaddrs (with `/p2p/PEER_ID` where known).
+    #[serde(deserialize_with = "de_multiaddrs")]
+    pub bootstrap: Vec<Multiaddr>,
+    /// Find peers on the local network by mDNS.
+    pub mdns: bool,
+    /// Serve simulated GPUs instead of real ones, e.g. `2xA100-80GB,1xT4-16GB`.
+    pub simulate_gpus: Option<String>,
+    /// Executors offered to peers.
+    pub backends: Vec<String>,
+    /// Price per GPU-hour in credits.
+    pub price_per_gpu_hour: f64,
+    /// CPU cores offered (default: all of this machine's).
+    pub cpu_cores: Option<u32>,
+    /// RAM offered, e.g. `16G` (default: all of this machine's).
+    #[serde(deserialize_with = "de_opt_bytes")]
+    pub ram: Option<u64>,
+    /// How long an advert is valid; it is re-published at half this.
+    #[serde(deserialize_with = "de_duration")]
+    pub advert_ttl: Duration,
+    /// How often the GPU inventory is polled for changes.
+    #[serde(deserialize_with = "de_duration")]
+    pub inventory_poll: Duration,
+    /// Idle connections are closed after this long.
+    #[serde(deserialize_with = "de_duration")]
+    pub idle_connection_timeout: Duration,
+    /// Also serve `/metrics` (Prometheus) on this localhost TCP address.
+    pub metrics_addr: Option<SocketAddr>,
+    /// Log filter (`info`, `debug`, `gpunode_node=debug`, ...).
+    pub log: String,
+}
+
+impl Default for NodeConfig {
+    fn default() -> Self {
+        NodeConfig {
+            listen: vec![
+                format!("/ip4/0.0.0.0/udp/{DEFAULT_PORT}/quic-v1")
+                    .parse()
+                    .expect("valid default"),
+                format!("/ip4/0.0.0.0/tcp/{DEFAULT_PORT}")
+                    .parse()
+                    .expect("valid default"),
+            ],
+            bootstrap: Vec::new(),
+            mdns: true,
+            simulate_gpus: None,
+            backends: vec!["wasm".to_string()],
+            price_per_gpu_hour: 1.0,
+            cpu_cores: None,
+            ram: None,
+            advert_ttl: Duration::from_secs(600),
+            inventory_poll: Duration::from_secs(2),
+            idle_connection_timeout: Duration::from_secs(120),
+            metrics_addr: None,
+            log: "info".to_string(),
+        }
+    }
+}
+
+impl NodeConfig {
+    /// Reads a config file. A missing file at the default location is not an error
+    /// (`required = false`); a missing file the user named is.
+    pub fn load(path: &Path, required: bool) -> Result<NodeConfig, ConfigError> {
+        match std::fs::read_to_string(path) {
+            Ok(text) => NodeConfig::parse(&text).map_err(|message| ConfigError::Parse {
+                path: path.to_path_buf(),
+                message,
+            }),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && !required => {
+                Ok(NodeConfig::default())
+            }
+            Err(source) => Err(ConfigError::Read {
+                path: path.to_path_buf(),
+                source,
+            }),
+        }
+    }
+
+    /// Parses config text; the error names the key and line.
+    pub fn parse(text: &str) -> Result<NodeConfig, String> {
+        let config: NodeConfig = toml::from_str(text).map_err(|e| e.to_string())?;
+        config.validate().map_err(|e| e.to_string())?;
+        Ok(config)
+    }
+
+    /// Checks values that the types alone do not.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if !(self.price_per_gpu_hour.is_finite() && self.price_per_gpu_hour >= 0.0) {
+            return Err(ConfigError::Invalid(format!(
+                "price_per_gpu_hour must be a non-negative number of credits, not {}",
+                self.price_per_gpu_hour
+            )));
+        }
+        if self.advert_ttl < Duration::from_secs(1) || self.advert_ttl > Duration::from_secs(86_400) {
+            return Err(ConfigError::Invalid(
+                "advert_ttl must be between 1s and 24h".to_string(),
+            ));
+        }
+        if self.inventory_poll < Duration::from_millis(10) {
+            return Err(ConfigError::Invalid(
+                "inventory_poll must be at least 10ms".to_string(),
+            ));
+        }
+        if let Some(spec) = &self.simulate_gpus {
+            crate::inventory::SimulatedGpus::parse_spec(spec)
+                .map_err(|e| ConfigError::Invalid(e.to_string()))?;
+        }
+        for b in &self.backends {
+            if !KNOWN_BACKENDS.contains(&b.as_str()) {
+                return Err(ConfigError::Invalid(format!(
+                    "unknown backend '{b}': choose from {}",
+                    KNOWN_BACKENDS.join(", ")
+                )));
+            }
+        }
+        if let Some(addr) = self.metrics_addr {
+            if !addr.ip().is_loopback() {
+                return Err(ConfigError::Invalid(format!(
+                    "metrics_addr {addr} is not a loopback address; use 127.0.0.1:PORT"
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Backends a node may offer.
+pub const KNOWN_BACKENDS: &[&str] = &["wasm", "container"];
+
+/// Parses a multiaddr given by a user, with an error that says what a good one looks like.
+pub fn parse_multiaddr(what: &str, text: &str) -> Result<Multiaddr, ConfigError> {
+    let addr: Multiaddr = text.trim().parse().map_err(|e| {
+        ConfigError::Invalid(format!(
+            "invalid {what} address '{text}': {e}; expected a multiaddr such as \
+             /ip4/127.0.0.1/udp/{DEFAULT_PORT}/quic-v1 or /ip4/127.0.0.1/tcp/{DEFAULT_PORT}/p2p/12D3KooW..."
+        ))
+    })?;
+    if addr.is_empty() {
+        return Err(ConfigError::Invalid(format!(
+            "invalid {what} address '{text}': it is empty"
+        )));
+    }
+    Ok(addr)
+}
+
+fn de_multiaddrs<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Multiaddr>, D::Error> {
+    let texts = Vec::<String>::deserialize(d)?;
+    texts
+        .iter()
+        .map(|t| parse_multiaddr("", t).map_err(serde::de::Error::custom))
+        .collect()
+}
+
+fn de_duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+    let text = String::deserialize(d)?;
+    parse_duration(&text).map_err(serde::de::Error::custom)
+}
+
+fn de_opt_bytes<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    let text = String::deserialize(d)?;
+    parse_bytes(&text).map(Some).map_err(serde::de::Error::custom)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn empty_file_gives_defaults() {
+        assert_eq!(NodeConfig::parse(""), Ok(NodeConfig::default()));
+    }
+
+    #[test]
+    fn example_config_parses_and_matches_documented_values() {
+        let text = include_str!("../../example.config.toml");
+        let config = NodeConfig::parse(text).expect("example.config.toml must parse");
+        assert_eq!(config.advert_ttl, Duration::from_secs(600));
+        assert!(config.mdns);
+    }
+
+    #[test]
+    fn unknown_key_names_key_and_line() {
+        let err = NodeConfig::parse("mdns = true\nfrobnicate = 3\n").unwrap_err();
+        assert!(err.contains("frobnicate"), "{err}");
+        assert!(err.contains("line 2"), "{err}");
+    }
+
+    #[test]
+    fn wrong_type_names_key_and_line() {
+        let err = NodeConfig::parse("\n\nmdns = \"yes\"\n").unwrap_err();
+        assert!(err.contains("line 3"), "{err}");
+        assert!(err.contains("mdns") || err.contains("boolean"), "{err}");
+        let err = NodeConfig::parse("advert_ttl = \"ten minutes\"\n").unwrap_err();
+        assert!(err.contains("line 1") && err.contains("duration"), "{err}");
+    }
+
+    #[test]
+    fn bad_values_are_refused() {
+        assert!(NodeConfig::parse("bootstrap = [\"not-an-addr\"]").unwrap_err().contains("multiaddr"));
+        assert!(NodeConfig::parse("simulate_gpus = \"2xA100\"").unwrap_err().contains("memory"));
+        assert!(NodeConfig::parse("backends = [\"docker\"]").unwrap_err().contains("unknown backend"));
+        assert!(NodeConfig::parse("price_per_gpu_hour = -1.0").is_err());
+        assert!(NodeConfig::parse("metrics_addr = \"0.0.0.0:9000\"").is_err());
+    }
+
+    #[test]
+    fn missing_optional_file_is_default_but_named_file_is_required() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("nope.toml");
+        assert!(NodeConfig::load(&path, false).is_ok());
+        assert!(matches!(
+            NodeConfig::load(&path, true),
+            Err(ConfigError::Read { .. })
+        ));
+    }
+}

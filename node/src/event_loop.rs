@@ -1,0 +1,677 @@
+//! The node's event loop: the one task that owns the libp2p swarm.
+//!
+//! ```text
+//!  NodeHandle ──Command──▶ ┌───────────┐ ◀── swarm events (kad, identify, mdns, ...)
+//!  inventory poller ─snap─▶ │ EventLoop │ ──▶ put_record / start_providing / get_*
+//!                          └───────────┘ ──▶ replies over each command's oneshot
+//! ```
+//!
+//! Nothing slow runs here: NVML polling happens in its own task and arrives as
+//! snapshots. The loop publishes this node's advert (a new sequence number whenever the
+//! inventory or listen addresses change, and before expiry), filters records others
+//! store with us through the advert book, answers offer queries by looking up providers
+//! of a capability key and then each provider's advert, and withdraws the advert on
+//! shutdown.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use gpunode_protocol::advert::{
+    advert_record_key, capability_keys, peer_of_advert_key, Advert, OfferFilter,
+};
+use gpunode_protocol::time::now_ms;
+use libp2p::core::ConnectedPoint;
+use libp2p::kad::{self, QueryId, QueryResult, Quorum, Record, RecordKey};
+use libp2p::multiaddr::Protocol;
+use libp2p::swarm::dial_opts::DialOpts;
+use libp2p::swarm::SwarmEvent;
+use libp2p::identity::Keypair;
+use libp2p::{identify, mdns, Multiaddr, PeerId, Swarm};
+use tokio::sync::{mpsc, oneshot};
+use tokio::time::Instant;
+
+use crate::adverts::{AdvertBook, LocalOffer};
+use crate::inventory::InventorySnapshot;
+use crate::metrics::Metrics;
+use crate::network::{NodeBehaviour, NodeBehaviourEvent, KAD_PROTOCOL};
+use crate::store::Store;
+use crate::views::{AdvertStatus, NodeStatus, OfferSearch, OfferView};
+
+/// How long an offer query may take before it answers with what it has.
+const FIND_TIMEOUT: Duration = Duration::from_secs(8);
+/// How long shutdown waits for the withdrawal to reach peers.
+const WITHDRAW_TIMEOUT: Duration = Duration::from_secs(2);
+/// Kademlia's replication factor: below this many stored copies we re-publish on new peers.
+const REPLICATION: usize = 20;
+
+/// Requests from a [`crate::NodeHandle`] to the loop.
+#[derive(Debug)]
+pub(crate) enum Command {
+    Status(oneshot::Sender<NodeStatus>),
+    FindOffers {
+        filter: OfferFilter,
+        reply: oneshot::Sender<OfferSearch>,
+    },
+    Shutdown(oneshot::Sender<()>),
+}
+
+struct PendingFind {
+    filter: OfferFilter,
+    reply: oneshot::Sender<OfferSearch>,
+    providers: HashSet<PeerId>,
+    dht_requests: u32,
+    providers_done: bool,
+    outstanding: usize,
+    found: HashMap<PeerId, Advert>,
+    deadline: Instant,
+}
+
+/// Our own advert: what it says and where it stands.
+struct OwnAdvert {
+    offer: LocalOffer,
+    ttl: Duration,
+    record: Option<Vec<u8>>,
+    status: AdvertStatus,
+    provided: Vec<Vec<u8>>,
+    needs_new: bool,
+    publish_at: Option<Instant>,
+    refresh_at: Instant,
+}
+
+pub(crate) struct EventLoop {
+    swarm: Swarm<NodeBehaviour>,
+    keypair: Keypair,
+    commands: mpsc::Receiver<Command>,
+    snapshots: mpsc::Receiver<InventorySnapshot>,
+    store: Store,
+    metrics: Arc<Metrics>,
+    book: AdvertBook,
+    local_peer: PeerId,
+    inventory: InventorySnapshot,
+    own: Option<OwnAdvert>,
+    connections: HashMap<PeerId, usize>,
+    finds: HashMap<u64, PendingFind>,
+    next_find: u64,
+    provider_queries: HashMap<QueryId, u64>,
+    record_queries: HashMap<QueryId, (u64, PeerId)>,
+}
+
+/// How the loop is set up.
+pub(crate) struct LoopParts {
+    pub swarm: Swarm<NodeBehaviour>,
+    pub keypair: Keypair,
+    pub commands: mpsc::Receiver<Command>,
+    pub snapshots: mpsc::Receiver<InventorySnapshot>,
+    pub store: Store,
+    pub metrics: Arc<Metrics>,
+    pub inventory: InventorySnapshot,
+    /// `None` for a client that does not advertise.
+    pub offer: Option<(LocalOffer, Duration)>,
+}
+
+impl EventLoop {
+    pub(crate) fn new(parts: LoopParts) -> EventLoop {
+        let local_peer = *parts.swarm.local_peer_id();
+        let own = parts.offer.map(|(offer, ttl)| OwnAdvert {
+            offer,
+            ttl,
+            record: None,
+            status: AdvertStatus {
+                enabled: true,
+                ..AdvertStatus::default()
+            },
+            provided: Vec::new(),
+            needs_new: true,
+            publish_at: Some(Instant::now() + Duration::from_millis(50)),
+            refresh_at: Instant::now() + ttl / 2,
+        });
+        EventLoop {
+            book: AdvertBook::new(parts.metrics.clone()),
+            swarm: parts.swarm,
+            keypair: parts.keypair,
+            commands: parts.commands,
+            snapshots: parts.snapshots,
+            store: parts.store,
+            metrics: parts.metrics,
+            local_peer,
+            inventory: parts.inventory,
+            own,
+            connections: HashMap::new(),
+            finds: HashMap::new(),
+            next_find: 0,
+            provider_queries: HashMap::new(),
+            record_queries: HashMap::new(),
+        }
+    }
+
+    fn next_timer(&self) -> Instant {
+        let mut t = Instant::now() + Duration::from_secs(1);
+        if let Some(own) = &self.own {
+            if let Some(p) = own.publish_at {
+                t = t.min(p);
+            }
+            t = t.min(own.refresh_at);
+        }
+        for f in self.finds.values() {
+            t = t.min(f.deadline);
+        }
+        t
+    }
+
+    pub(crate) async fn run(mut self) {
+        loop {
+            let timer = self.next_timer();
+            tokio::select! {
+                event = self.swarm.select_next_some() => self.on_swarm_event(event),
+                command = self.commands.recv() => match command {
+                    Some(Command::Shutdown(done)) => {
+                        self.withdraw().await;
+                        let _ = done.send(());
+                        return;
+                    }
+                    Some(command) => self.on_command(command),
+                    None => {
+                        self.withdraw().await;
+                        return;
+                    }
+                },
+                Some(snapshot) = self.snapshots.recv() => self.on_snapshot(snapshot),
+                _ = tokio::time::sleep_until(timer) => self.on_timer(),
+            }
+        }
+    }
+
+    fn on_command(&mut self, command: Command) {
+        match command {
+            Command::Status(reply) => {
+                let _ = reply.send(self.status());
+            }
+            Command::FindOffers { filter, reply } => self.start_find(filter, reply),
+            Command::Shutdown(_) => {}
+        }
+    }
+
+    fn status(&mut self) -> NodeStatus {
+        let routing_table_size = self.routing_table_size();
+        NodeStatus {
+            peer_id: self.local_peer.to_string(),
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            listen_addrs: self.swarm.listeners().map(|a| a.to_string()).collect(),
+            connected_peers: self.connections.keys().map(|p| p.to_string()).collect(),
+            routing_table_size,
+            advert: self
+                .own
+                .as_ref()
+                .map(|o| o.status.clone())
+                .unwrap_or_default(),
+            inventory: self.inventory.clone(),
+        }
+    }
+
+    fn routing_table_size(&mut self) -> usize {
+        self.swarm
+            .behaviour_mut()
+            .kad
+            .kbuckets()
+            .map(|b| b.num_entries())
+            .sum()
+    }
+
+    fn on_snapshot(&mut self, snapshot: InventorySnapshot) {
+        if snapshot != self.inventory {
+            let state_changed = snapshot.gpus.iter().map(|g| (&g.uuid, g.state)).ne(self
+                .inventory
+                .gpus
+                .iter()
+                .map(|g| (&g.uuid, g.state)));
+            self.inventory = snapshot;
+            if state_changed {
+                self.schedule_publish(Duration::ZERO, true);
+            }
+        }
+    }
+
+    fn schedule_publish(&mut self, after: Duration, new_advert: bool) {
+        if let Some(own) = &mut self.own {
+            own.needs_new |= new_advert;
+            let at = Instant::now() + after;
+            own.publish_at = Some(own.publish_at.map_or(at, |p| p.min(at)));
+        }
+    }
+
+    fn on_timer(&mut self) {
+        let now = Instant::now();
+        if let Some(own) = &mut self.own {
+            if own.refresh_at <= now {
+                own.needs_new = true;
+                own.publish_at = Some(now);
+                own.refresh_at = now + own.ttl / 2;
+            }
+            if own.publish_at.is_some_and(|p| p <= now) {
+                own.publish_at = None;
+                self.publish(false);
+            }
+        }
+        let expired: Vec<u64> = self
+            .finds
+            .iter()
+            .filter(|(_, f)| f.deadline <= now)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in expired {
+            self.complete_find(id);
+        }
+        let size = self.routing_table_size();
+        self.metrics.routing_table_peers.set(size as i64);
+    }
+
+    /// Signs a new advert if needed, stores it in the DHT and provides its capability keys.
+    fn publish(&mut self, withdrawn: bool) -> Option<QueryId> {
+        let listen_addrs: Vec<String> = self
+            .swarm
+            .external_addresses()
+            .map(|a| a.to_string())
+            .collect();
+        let key = advert_record_key(&self.local_peer);
+        let own = self.own.as_mut()?;
+        if own.needs_new || withdrawn || own.record.is_none() {
+            let now = now_ms();
+            let seq = match self.store.next_counter("node", b"advert_seq", 0) {
+                Ok(seq) => seq,
+                Err(e) => {
+                    tracing::error!("cannot advance advert sequence number: {e}");
+                    return None;
+                }
+            };
+            let advert = own.offer.advert(
+                self.local_peer,
+                seq,
+                now,
+                own.ttl.as_millis() as u64,
+                &self.inventory,
+                listen_addrs,
+                withdrawn,
+            );
+            let signed = self.sign(&advert)?;
+            let own = self.own.as_mut()?;
+            own.record = Some(signed);
+            own.needs_new = false;
+            own.status.seq = advert.seq;
+            own.status.issued_at_ms = advert.issued_at_ms;
+            own.status.expires_at_ms = advert.expires_at_ms;
+            own.status.capability_keys = capability_keys(&advert)
+                .iter()
+                .map(|k| String::from_utf8_lossy(k).into_owned())
+                .collect();
+            self.metrics.adverts_published.inc();
+        }
+        let own = self.own.as_mut()?;
+        let mut record = Record::new(RecordKey::new(&key), own.record.clone()?);
+        record.expires = Some(std::time::Instant::now() + own.ttl);
+        let kad = &mut self.swarm.behaviour_mut().kad;
+        let query = match kad.put_record(record, Quorum::One) {
+            Ok(q) => Some(q),
+            Err(e) => {
+                tracing::warn!("cannot store own advert: {e:?}");
+                None
+            }
+        };
+        let keys: Vec<Vec<u8>> = if withdrawn {
+            Vec::new()
+        } else {
+            own.status
+                .capability_keys
+                .iter()
+                .map(|k| k.as_bytes().to_vec())
+                .collect()
+        };
+        for old in own.provided.iter().filter(|k| !keys.contains(k)) {
+            kad.stop_providing(&RecordKey::new(old));
+        }
+        for k in &keys {
+            if let Err(e) = kad.start_providing(RecordKey::new(k)) {
+                tracing::warn!("cannot provide capability key: {e:?}");
+            }
+        }
+        own.provided = keys;
+        query
+    }
+
+    fn sign(&self, advert: &Advert) -> Option<Vec<u8>> {
+        advert
+            .sign(&self.keypair)
+            .map_err(|e| tracing::error!("cannot sign advert: {e}"))
+            .ok()
+    }
+
+    /// Publishes a withdrawn advert and waits (bounded) until a peer stored it, then
+    /// flushes the store.
+    async fn withdraw(&mut self) {
+        if self.own.is_some() && !self.connections.is_empty() {
+            if let Some(query) = self.publish(true) {
+                let deadline = Instant::now() + WITHDRAW_TIMEOUT;
+                loop {
+                    tokio::select! {
+                        event = self.swarm.select_next_some() => {
+                            if let SwarmEvent::Behaviour(NodeBehaviourEvent::Kad(
+                                kad::Event::OutboundQueryProgressed { id, result: QueryResult::PutRecord(_), .. },
+                            )) = &event
+                            {
+                                if *id == query {
+                                    break;
+                                }
+                            }
+                            self.on_swarm_event(event);
+                        }
+                        _ = tokio::time::sleep_until(deadline) => break,
+                    }
+                }
+            }
+        }
+        if let Err(e) = self.store.flush() {
+            tracing::error!("cannot flush store on shutdown: {e}");
+        }
+    }
+
+    fn start_find(&mut self, filter: OfferFilter, reply: oneshot::Sender<OfferSearch>) {
+        let id = self.next_find;
+        self.next_find += 1;
+        let key = RecordKey::new(&filter.capability_key());
+        let query = self.swarm.behaviour_mut().kad.get_providers(key);
+        self.provider_queries.insert(query, id);
+        self.finds.insert(
+            id,
+            PendingFind {
+                filter,
+                reply,
+                providers: HashSet::new(),
+                dht_requests: 0,
+                providers_done: false,
+                outstanding: 0,
+                found: HashMap::new(),
+                deadline: Instant::now() + FIND_TIMEOUT,
+            },
+        );
+    }
+
+    fn on_providers(
+        &mut self,
+        query: QueryId,
+        result: Result<kad::GetProvidersOk, kad::GetProvidersError>,
+        last: bool,
+        requests: u32,
+    ) {
+        let Some(&id) = self.provider_queries.get(&query) else {
+            return;
+        };
+        if let Some(find) = self.finds.get_mut(&id) {
+            if last {
+                find.dht_requests += requests;
+            }
+            if let Ok(kad::GetProvidersOk::FoundProviders { providers, .. }) = result {
+                find.providers.extend(providers.into_iter().filter(|p| *p != self.local_peer));
+            }
+        }
+        if !last {
+            return;
+        }
+        self.provider_queries.remove(&query);
+        let Some(find) = self.finds.get_mut(&id) else {
+            return;
+        };
+        find.providers_done = true;
+        let providers: Vec<PeerId> = find.providers.iter().copied().collect();
+        for peer in providers {
+            let q = self
+                .swarm
+                .behaviour_mut()
+                .kad
+                .get_record(RecordKey::new(&advert_record_key(&peer)));
+            self.record_queries.insert(q, (id, peer));
+            if let Some(find) = self.finds.get_mut(&id) {
+                find.outstanding += 1;
+            }
+        }
+        self.maybe_complete(id);
+    }
+
+    fn on_record(
+        &mut self,
+        query: QueryId,
+        result: Result<kad::GetRecordOk, kad::GetRecordError>,
+        last: bool,
+        requests: u32,
+    ) {
+        let Some(&(id, peer)) = self.record_queries.get(&query) else {
+            return;
+        };
+        let mut resolved = last;
+        if let Ok(kad::GetRecordOk::FoundRecord(found)) = result {
+            if peer_of_advert_key(found.record.key.as_ref()) == Some(peer) {
+                if let Ok(advert) = self.book.accept(&found.record.value, &peer, now_ms()) {
+                    if let Some(find) = self.finds.get_mut(&id) {
+                        let newer = find.found.get(&peer).is_none_or(|a| a.seq < advert.seq);
+                        if newer {
+                            find.found.insert(peer, advert);
+                        }
+                    }
+                    // A valid advert answers the question; stop asking further peers.
+                    if let Some(mut q) = self.swarm.behaviour_mut().kad.query_mut(&query) {
+                        q.finish();
+                    }
+                    resolved = true;
+                }
+            }
+        }
+        if resolved {
+            self.record_queries.remove(&query);
+            if let Some(find) = self.finds.get_mut(&id) {
+                find.dht_requests += requests;
+                find.outstanding = find.outstanding.saturating_sub(1);
+            }
+            self.maybe_complete(id);
+        }
+    }
+
+    fn maybe_complete(&mut self, id: u64) {
+        if self
+            .finds
+            .get(&id)
+            .is_some_and(|f| f.providers_done && f.outstanding == 0)
+        {
+            self.complete_find(id);
+        }
+    }
+
+    fn complete_find(&mut self, id: u64) {
+        let Some(find) = self.finds.remove(&id) else {
+            return;
+        };
+        self.provider_queries.retain(|_, f| *f != id);
+        let kad = &mut self.swarm.behaviour_mut().kad;
+        self.record_queries.retain(|q, (f, _)| {
+            if *f == id {
+                if let Some(mut q) = kad.query_mut(q) {
+                    q.finish();
+                }
+                false
+            } else {
+                true
+            }
+        });
+        let now = now_ms();
+        let mut offers: Vec<OfferView> = find
+            .found
+            .values()
+            .filter(|a| a.expires_at_ms > now && a.matches(&find.filter))
+            .map(OfferView::from)
+            .collect();
+        offers.sort_by(|a, b| {
+            a.price_per_gpu_hour
+                .total_cmp(&b.price_per_gpu_hour)
+                .then_with(|| a.peer_id.cmp(&b.peer_id))
+        });
+        let _ = find.reply.send(OfferSearch {
+            offers,
+            providers: find.providers.len(),
+            dht_requests: find.dht_requests,
+        });
+    }
+
+    fn on_swarm_event(&mut self, event: SwarmEvent<NodeBehaviourEvent>) {
+        match event {
+            SwarmEvent::NewListenAddr { address, .. } => {
+                tracing::info!("listening on {address}");
+                if !is_unspecified(&address) {
+                    self.swarm.add_external_address(address);
+                }
+                self.schedule_publish(Duration::from_millis(50), true);
+            }
+            SwarmEvent::ConnectionEstablished { peer_id, endpoint, .. } => {
+                *self.connections.entry(peer_id).or_default() += 1;
+                self.metrics.peers_connected.set(self.connections.len() as i64);
+                if let ConnectedPoint::Dialer { address, .. } = endpoint {
+                    tracing::debug!(%peer_id, %address, "connected");
+                }
+            }
+            SwarmEvent::ConnectionClosed { peer_id, num_established, .. } => {
+                if num_established == 0 {
+                    self.connections.remove(&peer_id);
+                } else {
+                    self.connections.insert(peer_id, num_established as usize);
+                }
+                self.metrics.peers_connected.set(self.connections.len() as i64);
+            }
+            SwarmEvent::OutgoingConnectionError { peer_id, error, .. } => {
+                tracing::debug!(?peer_id, "dial failed: {error}");
+            }
+            SwarmEvent::ListenerError { error, .. } => {
+                tracing::warn!("listener error: {error}");
+            }
+            SwarmEvent::Behaviour(NodeBehaviourEvent::Identify(identify::Event::Received {
+                peer_id,
+                info,
+                ..
+            })) => {
+                if info.protocols.contains(&KAD_PROTOCOL) {
+                    for addr in info.listen_addrs {
+                        self.swarm.behaviour_mut().kad.add_address(&peer_id, addr);
+                    }
+                }
+            }
+            SwarmEvent::Behaviour(NodeBehaviourEvent::Mdns(mdns::Event::Discovered(list))) => {
+                for (peer, addr) in list {
+                    if !self.connections.contains_key(&peer) {
+                        let _ = self
+                            .swarm
+                            .dial(DialOpts::peer_id(peer).addresses(vec![addr]).build());
+                    }
+                }
+            }
+            SwarmEvent::Behaviour(NodeBehaviourEvent::Kad(event)) => self.on_kad_event(event),
+            _ => {}
+        }
+    }
+
+    fn on_kad_event(&mut self, event: kad::Event) {
+        match event {
+            kad::Event::OutboundQueryProgressed { id, result, step, stats } => match result {
+                QueryResult::GetProviders(r) => {
+                    self.on_providers(id, r, step.last, stats.num_requests())
+                }
+                QueryResult::GetRecord(r) => self.on_record(id, r, step.last, stats.num_requests()),
+                QueryResult::PutRecord(r) => {
+                    if let Some(own) = &mut self.own {
+                        own.status.stored_at_peers = stats.num_successes() as usize;
+                    }
+                    if let Err(e) = r {
+                        tracing::debug!("advert publication incomplete: {e:?}");
+                    }
+                }
+                _ => {}
+            },
+            kad::Event::InboundRequest { request } => match request {
+                kad::InboundRequest::PutRecord { source, record: Some(record), .. } => {
+                    self.on_inbound_record(source, record)
+                }
+                kad::InboundRequest::AddProvider { record: Some(record) } => {
+                    if record.key.as_ref().starts_with(b"/gpunode/v1/cap/") {
+                        let _ = self.swarm.behaviour_mut().kad.store_mut_add_provider(record);
+                    }
+                }
+                _ => {}
+            },
+            kad::Event::RoutingUpdated { is_new_peer, .. } => {
+                let size = self.routing_table_size();
+                self.metrics.routing_table_peers.set(size as i64);
+                let under_replicated = self
+                    .own
+                    .as_ref()
+                    .is_some_and(|o| o.status.stored_at_peers < REPLICATION.min(size));
+                if is_new_peer && under_replicated {
+                    self.schedule_publish(Duration::from_millis(300), false);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn on_inbound_record(&mut self, source: PeerId, mut record: Record) {
+        let Some(publisher) = peer_of_advert_key(record.key.as_ref()) else {
+            tracing::debug!(%source, "refused a record under a key that is not an advert key");
+            self.metrics.advert_rejected("unknown_key");
+            return;
+        };
+        let now = now_ms();
+        if let Ok(advert) = self.book.accept(&record.value, &publisher, now) {
+            record.expires = Some(
+                std::time::Instant::now()
+                    + Duration::from_millis(advert.expires_at_ms.saturating_sub(now)),
+            );
+            if let Err(e) = self.swarm.behaviour_mut().kad.store_mut_put(record) {
+                tracing::debug!("cannot store advert: {e:?}");
+            }
+        }
+    }
+}
+
+/// Store access that reads like the rest of the loop.
+trait StoreAccess {
+    fn store_mut_put(&mut self, record: Record) -> kad::store::Result<()>;
+    fn store_mut_add_provider(&mut self, record: kad::ProviderRecord) -> kad::store::Result<()>;
+}
+
+impl StoreAccess for kad::Behaviour<kad::store::MemoryStore> {
+    fn store_mut_put(&mut self, record: Record) -> kad::store::Result<()> {
+        use kad::store::RecordStore;
+        self.store_mut().put(record)
+    }
+    fn store_mut_add_provider(&mut self, record: kad::ProviderRecord) -> kad::store::Result<()> {
+        use kad::store::RecordStore;
+        self.store_mut().add_provider(record)
+    }
+}
+
+fn is_unspecified(addr: &Multiaddr) -> bool {
+    addr.iter().any(|p| match p {
+        Protocol::Ip4(ip) => ip.is_unspecified(),
+        Protocol::Ip6(ip) => ip.is_unspecified(),
+        _ => false,
+    })
+}
+
+/// Dials every bootstrap address; peers named with `/p2p/` go into the routing table.
+pub(crate) fn dial_bootstrap(swarm: &mut Swarm<NodeBehaviour>, addrs: &[Multiaddr]) {
+    for addr in addrs {
+        if let Some(Protocol::P2p(peer)) = addr.iter().last() {
+            let mut plain = addr.clone();
+            plain.pop();
+            swarm.behaviour_mut().kad.add_address(&peer, plain);
+        }
+        if let Err(e) = swarm.dial(addr.clone()) {
+            tracing::warn!("cannot dial bootstrap peer {addr}: {e}");
+        }
+    }
+}

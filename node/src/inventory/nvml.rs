@@ -1,0 +1,83 @@
+//! Real GPUs through NVML (nvml-wrapper loads the driver library at run time).
+
+use gpunode_protocol::gpu::{GpuInfo, GpuProcess, GpuState};
+use nvml_wrapper::enums::device::UsedGpuMemory;
+use nvml_wrapper::Nvml;
+
+use super::{GpuInventory, InventoryError, InventorySnapshot};
+
+/// Reads GPUs from the NVIDIA driver.
+pub struct NvmlInventory {
+    nvml: Nvml,
+}
+
+impl std::fmt::Debug for NvmlInventory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("NvmlInventory")
+    }
+}
+
+impl NvmlInventory {
+    /// Loads NVML; fails when there is no driver or no GPU.
+    pub fn init() -> Result<NvmlInventory, String> {
+        let nvml = Nvml::init().map_err(|e| e.to_string())?;
+        let count = nvml.device_count().map_err(|e| e.to_string())?;
+        if count == 0 {
+            return Err("the NVIDIA driver reports no devices".to_string());
+        }
+        Ok(NvmlInventory { nvml })
+    }
+}
+
+impl GpuInventory for NvmlInventory {
+    fn snapshot(&self) -> Result<InventorySnapshot, InventoryError> {
+        let err = |e: nvml_wrapper::error::NvmlError| InventoryError(e.to_string());
+        let count = self.nvml.device_count().map_err(err)?;
+        let mut gpus = Vec::with_capacity(count as usize);
+        for index in 0..count {
+            let dev = self.nvml.device_by_index(index).map_err(err)?;
+            let memory = dev.memory_info().map_err(err)?;
+            let mut processes: Vec<GpuProcess> = dev
+                .running_compute_processes()
+                .unwrap_or_default()
+                .into_iter()
+                .chain(dev.running_graphics_processes().unwrap_or_default())
+                .map(|p| GpuProcess {
+                    pid: p.pid,
+                    used_memory_bytes: match p.used_gpu_memory {
+                        UsedGpuMemory::Used(b) => Some(b),
+                        UsedGpuMemory::Unavailable => None,
+                    },
+                })
+                .collect();
+            processes.sort_by_key(|p| p.pid);
+            processes.dedup_by_key(|p| p.pid);
+            let state = if processes.is_empty() {
+                GpuState::Idle
+            } else {
+                GpuState::OwnerBusy
+            };
+            gpus.push(GpuInfo {
+                index,
+                uuid: dev.uuid().map_err(err)?,
+                name: dev.name().map_err(err)?,
+                memory_total_bytes: memory.total,
+                memory_used_bytes: memory.used,
+                utilization_percent: dev.utilization_rates().map(|u| u.gpu).unwrap_or(0),
+                mig_enabled: dev.mig_mode().ok().map(|m| m.current == 1),
+                compute_capability: dev
+                    .cuda_compute_capability()
+                    .ok()
+                    .map(|c| (c.major.max(0) as u32, c.minor.max(0) as u32)),
+                processes,
+                state,
+                simulated: false,
+            });
+        }
+        Ok(InventorySnapshot {
+            gpus,
+            driver_version: self.nvml.sys_driver_version().ok(),
+            source: "nvml".to_string(),
+        })
+    }
+}

@@ -1,0 +1,162 @@
+//! Simulated GPUs for test networks, scriptable by tests (owner processes, utilization).
+//!
+//! A spec such as `2xA100-80GB,1xT4-16GB` makes three GPUs; the memory is the last
+//! `-NNGB` part of each model. Everything they report carries `simulated: true`.
+
+use std::sync::{Arc, Mutex};
+
+use gpunode_protocol::gpu::{GpuInfo, GpuProcess, GpuState};
+
+use super::{GpuInventory, InventoryError, InventorySnapshot};
+
+/// Why a simulated-GPU spec is invalid.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("invalid simulated GPU spec '{spec}': {problem}; write e.g. 2xA100-80GB,1xT4-16GB")]
+pub struct SpecError {
+    spec: String,
+    problem: String,
+}
+
+#[derive(Debug, Clone)]
+struct SimGpu {
+    info: GpuInfo,
+}
+
+/// A scripted set of GPUs. Clones share state, so a test can keep one and change what
+/// the node sees.
+#[derive(Debug, Clone)]
+pub struct SimulatedGpus {
+    gpus: Arc<Mutex<Vec<SimGpu>>>,
+}
+
+impl SimulatedGpus {
+    /// Parses a spec into (count, model, memory bytes) entries.
+    pub fn parse_spec(spec: &str) -> Result<Vec<(u32, String, u64)>, SpecError> {
+        let fail = |problem: String| SpecError {
+            spec: spec.to_string(),
+            problem,
+        };
+        let mut out = Vec::new();
+        for part in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let (count, model) = match part.split_once(['x', 'X']) {
+                Some((n, m)) if !n.is_empty() && n.chars().all(|c| c.is_ascii_digit()) => {
+                    (n.parse::<u32>().map_err(|_| fail(format!("bad count in '{part}'")))?, m)
+                }
+                _ => (1, part),
+            };
+            if count == 0 || count > 64 {
+                return Err(fail(format!("count in '{part}' must be 1 to 64")));
+            }
+            let mem = model
+                .rsplit_once('-')
+                .and_then(|(_, m)| gpunode_protocol::units::parse_bytes(m).ok())
+                .filter(|m| *m >= 1 << 30)
+                .ok_or_else(|| fail(format!("'{model}' has no memory size such as -80GB")))?;
+            out.push((count, model.to_string(), mem));
+        }
+        if out.is_empty() {
+            return Err(fail("it lists no GPUs".to_string()));
+        }
+        Ok(out)
+    }
+
+    /// Builds simulated GPUs from a spec; `seed` makes their UUIDs unique per node.
+    pub fn from_spec(spec: &str, seed: &str) -> Result<SimulatedGpus, SpecError> {
+        let mut gpus = Vec::new();
+        let short: String = seed.chars().rev().take(8).collect();
+        for (count, model, mem) in SimulatedGpus::parse_spec(spec)? {
+            for _ in 0..count {
+                let index = gpus.len() as u32;
+                gpus.push(SimGpu {
+                    info: GpuInfo {
+                        index,
+                        uuid: format!("GPU-sim-{short}-{index}"),
+                        name: model.clone(),
+                        memory_total_bytes: mem,
+                        memory_used_bytes: 0,
+                        utilization_percent: 0,
+                        mig_enabled: Some(false),
+                        compute_capability: None,
+                        processes: Vec::new(),
+                        state: GpuState::Idle,
+                        simulated: true,
+                    },
+                });
+            }
+        }
+        Ok(SimulatedGpus {
+            gpus: Arc::new(Mutex::new(gpus)),
+        })
+    }
+
+    fn with<R>(&self, f: impl FnOnce(&mut Vec<SimGpu>) -> R) -> R {
+        let mut guard = self.gpus.lock().unwrap_or_else(|p| p.into_inner());
+        f(&mut guard)
+    }
+
+    /// Scripts an owner process (`Some(pid)`) on GPU `index`, or removes it (`None`).
+    /// An owner process makes the GPU busy.
+    pub fn set_owner_process(&self, index: u32, pid: Option<u32>, memory_bytes: u64) {
+        self.with(|gpus| {
+            if let Some(g) = gpus.get_mut(index as usize) {
+                g.info.processes = pid
+                    .map(|pid| {
+                        vec![GpuProcess {
+                            pid,
+                            used_memory_bytes: Some(memory_bytes),
+                        }]
+                    })
+                    .unwrap_or_default();
+                g.info.memory_used_bytes = if pid.is_some() { memory_bytes } else { 0 };
+                g.info.utilization_percent = if pid.is_some() { 100 } else { 0 };
+                g.info.state = if pid.is_some() {
+                    GpuState::OwnerBusy
+                } else {
+                    GpuState::Idle
+                };
+            }
+        });
+    }
+}
+
+impl GpuInventory for SimulatedGpus {
+    fn snapshot(&self) -> Result<InventorySnapshot, InventoryError> {
+        Ok(InventorySnapshot {
+            gpus: self.with(|g| g.iter().map(|s| s.info.clone()).collect()),
+            driver_version: None,
+            source: "simulated".to_string(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spec_parses_counts_models_and_memory() {
+        let s = SimulatedGpus::parse_spec("2xA100-80GB, 1xT4-16GB").expect("parse");
+        assert_eq!(
+            s,
+            vec![(2, "A100-80GB".into(), 80 << 30), (1, "T4-16GB".into(), 16 << 30)]
+        );
+        assert_eq!(SimulatedGpus::parse_spec("H100-80G").expect("parse")[0].0, 1);
+        for bad in ["", "2xA100", "0xA100-80GB", "axA100-80GB", "2xA100-1K"] {
+            assert!(SimulatedGpus::parse_spec(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn owner_process_makes_gpu_busy_and_everything_is_simulated() {
+        let sim = SimulatedGpus::from_spec("2xA100-80GB", "peer").expect("spec");
+        sim.set_owner_process(1, Some(42), 1 << 30);
+        let snap = sim.snapshot().expect("snap");
+        assert!(snap.simulated());
+        assert!(snap.gpus.iter().all(|g| g.simulated));
+        assert_eq!(snap.gpus[0].state, GpuState::Idle);
+        assert_eq!(snap.gpus[1].state, GpuState::OwnerBusy);
+        assert_ne!(snap.gpus[0].uuid, snap.gpus[1].uuid);
+        sim.set_owner_process(1, None, 0);
+        assert_eq!(sim.snapshot().expect("snap").gpus[1].state, GpuState::Idle);
+    }
+}

@@ -1,0 +1,384 @@
+//! The gpunode daemon as a library.
+//!
+//! [`Node::start`] makes (or loads) the identity in the data directory, opens the store,
+//! picks the GPU inventory, builds the libp2p swarm, binds the listen addresses and the
+//! local API socket, and spawns the event loop. A [`NodeHandle`] talks to the running
+//! loop. The CLI, the testnet crate and tests all start nodes this way.
+//!
+//! This crate owns networking, adverts, GPU inventory, policies and the local API; it
+//! uses `gpunode-protocol` for everything on the wire and never imports the CLI.
+
+pub mod adverts;
+pub mod api;
+pub mod config;
+pub mod data_dir;
+mod event_loop;
+pub mod inventory;
+pub mod metrics;
+pub mod network;
+pub mod store;
+pub mod views;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use gpunode_protocol::advert::OfferFilter;
+use libp2p::PeerId;
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio::task::JoinHandle;
+
+pub use config::NodeConfig;
+pub use data_dir::DataDir;
+use event_loop::{Command, EventLoop, LoopParts};
+use inventory::{GpuInventory, InventorySnapshot};
+pub use metrics::Metrics;
+use store::Store;
+pub use views::{NodeStatus, OfferSearch, OfferView};
+
+/// Whether a node lends resources or only looks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// Advertises its GPUs and serves the DHT (`gpunode serve`).
+    Provider,
+    /// A short-lived node that queries the network and advertises nothing.
+    Client,
+}
+
+/// How to start a node.
+pub struct NodeOptions {
+    /// Configuration (file plus flags).
+    pub config: NodeConfig,
+    /// Where identity, store and socket live.
+    pub data_dir: DataDir,
+    /// Provider or client.
+    pub role: Role,
+    /// Use this inventory instead of detecting one (tests script simulated GPUs).
+    pub inventory: Option<Arc<dyn GpuInventory>>,
+    /// Serve the local API on the data dir's socket.
+    pub serve_api: bool,
+    /// Keep the store in memory only (large in-process test networks).
+    pub ephemeral_store: bool,
+}
+
+impl NodeOptions {
+    /// Options with defaults for everything but config and data dir.
+    pub fn new(config: NodeConfig, data_dir: DataDir, role: Role) -> NodeOptions {
+        NodeOptions {
+            config,
+            data_dir,
+            role,
+            inventory: None,
+            serve_api: role == Role::Provider,
+            ephemeral_store: false,
+        }
+    }
+}
+
+/// Why a node could not start or answer.
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    /// Data directory or identity problem.
+    #[error(transparent)]
+    DataDir(#[from] data_dir::DataDirError),
+    /// Store problem.
+    #[error(transparent)]
+    Store(#[from] store::StoreError),
+    /// Configuration problem.
+    #[error(transparent)]
+    Config(#[from] config::ConfigError),
+    /// Simulated GPU spec problem.
+    #[error(transparent)]
+    Inventory(#[from] inventory::SpecError),
+    /// Swarm setup problem.
+    #[error(transparent)]
+    Network(#[from] network::NetworkSetupError),
+    /// An address could not be bound.
+    #[error("cannot listen on {addr}: {reason}. Is another gpunode running? Choose another address with --listen")]
+    Listen {
+        /// The address.
+        addr: String,
+        /// The OS error.
+        reason: String,
+    },
+    /// The local API could not start.
+    #[error(transparent)]
+    Api(#[from] api::ApiError),
+    /// The node has stopped.
+    #[error("the node has stopped")]
+    Stopped,
+}
+
+/// A cloneable handle to a running node.
+#[derive(Clone, Debug)]
+pub struct NodeHandle {
+    peer_id: PeerId,
+    commands: mpsc::Sender<Command>,
+    metrics: Arc<Metrics>,
+}
+
+impl NodeHandle {
+    /// The node's peer id.
+    pub fn peer_id(&self) -> PeerId {
+        self.peer_id
+    }
+
+    /// The node's metrics.
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
+    }
+
+    async fn ask<T>(&self, make: impl FnOnce(oneshot::Sender<T>) -> Command) -> Result<T, NodeError> {
+        let (tx, rx) = oneshot::channel();
+        self.commands
+            .send(make(tx))
+            .await
+            .map_err(|_| NodeError::Stopped)?;
+        rx.await.map_err(|_| NodeError::Stopped)
+    }
+
+    /// The node's status.
+    pub async fn status(&self) -> Result<NodeStatus, NodeError> {
+        self.ask(Command::Status).await
+    }
+
+    /// Providers whose verified, unexpired adverts match `filter`.
+    pub async fn find_offers(&self, filter: OfferFilter) -> Result<Vec<OfferView>, NodeError> {
+        Ok(self.search_offers(filter).await?.offers)
+    }
+
+    /// Like [`NodeHandle::find_offers`], with the number of providers and DHT requests.
+    pub async fn search_offers(&self, filter: OfferFilter) -> Result<OfferSearch, NodeError> {
+        self.ask(|reply| Command::FindOffers { filter, reply }).await
+    }
+
+    /// Asks the node to withdraw its advert, flush and stop.
+    pub async fn shutdown(&self) -> Result<(), NodeError> {
+        self.ask(Command::Shutdown).await
+    }
+
+    /// Waits until the node has at least `peers` peers in its routing table.
+    pub async fn wait_for_routing(&self, peers: usize, timeout: Duration) -> Result<(), NodeError> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            if self.status().await?.routing_table_size >= peers {
+                return Ok(());
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return Err(NodeError::Stopped);
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+/// A running node: its handle and its tasks.
+pub struct Node {
+    handle: NodeHandle,
+    event_loop: JoinHandle<()>,
+    stop_tasks: watch::Sender<bool>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Node {
+    /// Starts a node. Errors leave nothing behind: no socket, no listener.
+    pub async fn start(opts: NodeOptions) -> Result<Node, NodeError> {
+        let config = opts.config;
+        config.validate()?;
+        let keypair = opts.data_dir.load_or_create_identity()?;
+        let peer_id = keypair.public().to_peer_id();
+        let store = if opts.ephemeral_store {
+            Store::temporary()?
+        } else {
+            Store::open(&opts.data_dir.store_dir())?
+        };
+        let inventory: Arc<dyn GpuInventory> = match opts.inventory {
+            Some(inv) => inv,
+            None if opts.role == Role::Client => Arc::new(inventory::NoGpus),
+            None => Arc::from(inventory::detect(
+                config.simulate_gpus.as_deref(),
+                &peer_id.to_string(),
+            )?),
+        };
+        let first_snapshot = read_inventory(&inventory).await;
+
+        let mut swarm = network::build_swarm(
+            keypair.clone(),
+            &network::SwarmSettings {
+                mdns: config.mdns,
+                idle_connection_timeout: config.idle_connection_timeout,
+                provider_record_ttl: config.advert_ttl * 2,
+                server: opts.role == Role::Provider,
+            },
+        )?;
+        let listen = if opts.role == Role::Client {
+            vec![
+                "/ip4/0.0.0.0/udp/0/quic-v1".parse().expect("valid"),
+                "/ip4/0.0.0.0/tcp/0".parse().expect("valid"),
+            ]
+        } else {
+            config.listen.clone()
+        };
+        for addr in &listen {
+            swarm.listen_on(addr.clone()).map_err(|e| NodeError::Listen {
+                addr: addr.to_string(),
+                reason: listen_error_reason(&e),
+            })?;
+        }
+
+        let metrics = Metrics::new();
+        let (commands_tx, commands_rx) = mpsc::channel(64);
+        let handle = NodeHandle {
+            peer_id,
+            commands: commands_tx,
+            metrics: metrics.clone(),
+        };
+        let (stop_tasks, stop_rx) = watch::channel(false);
+        let mut tasks = Vec::new();
+        if opts.serve_api {
+            let listener = api::bind_socket(&opts.data_dir.api_socket())?;
+            tasks.push(tokio::spawn(api::serve_unix(listener, handle.clone(), stop_rx.clone())));
+        }
+        if let Some(addr) = config.metrics_addr {
+            let listener = tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|e| NodeError::Listen {
+                    addr: addr.to_string(),
+                    reason: e.to_string(),
+                })?;
+            tasks.push(tokio::spawn(api::serve_metrics(listener, metrics.clone(), stop_rx.clone())));
+        }
+
+        event_loop::dial_bootstrap(&mut swarm, &config.bootstrap);
+
+        let (snap_tx, snap_rx) = mpsc::channel(4);
+        tasks.push(tokio::spawn(poll_inventory(
+            inventory,
+            config.inventory_poll,
+            snap_tx,
+            stop_rx,
+        )));
+
+        let offer = (opts.role == Role::Provider).then(|| {
+            (
+                adverts::LocalOffer {
+                    cpu_cores: config.cpu_cores.unwrap_or_else(host_cpu_cores),
+                    ram_bytes: config.ram.unwrap_or_else(host_ram_bytes),
+                    backends: config.backends.clone(),
+                    price_per_gpu_hour_millicredits: (config.price_per_gpu_hour * 1000.0).round()
+                        as u64,
+                },
+                config.advert_ttl,
+            )
+        });
+        let event_loop = EventLoop::new(LoopParts {
+            swarm,
+            keypair,
+            commands: commands_rx,
+            snapshots: snap_rx,
+            store,
+            metrics,
+            inventory: first_snapshot,
+            offer,
+        });
+        let event_loop = tokio::spawn(event_loop.run());
+        Ok(Node {
+            handle,
+            event_loop,
+            stop_tasks,
+            tasks,
+        })
+    }
+
+    /// A handle to the node.
+    pub fn handle(&self) -> NodeHandle {
+        self.handle.clone()
+    }
+
+    /// Graceful stop: withdraw the advert, flush the store, close the API.
+    pub async fn shutdown(self) {
+        let _ = self.handle.shutdown().await;
+        let _ = self.event_loop.await;
+        let _ = self.stop_tasks.send(true);
+        for t in self.tasks {
+            let _ = t.await;
+        }
+    }
+
+    /// Stops the node abruptly, as a crash would: nothing is withdrawn.
+    pub fn abort(self) {
+        self.event_loop.abort();
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+fn listen_error_reason(e: &libp2p::TransportError<std::io::Error>) -> String {
+    match e {
+        libp2p::TransportError::MultiaddrNotSupported(a) => {
+            format!("address {a} is not supported (use /ip4/IP/tcp/PORT or /ip4/IP/udp/PORT/quic-v1)")
+        }
+        libp2p::TransportError::Other(io) => io.to_string(),
+    }
+}
+
+async fn read_inventory(inventory: &Arc<dyn GpuInventory>) -> InventorySnapshot {
+    let inv = inventory.clone();
+    match tokio::task::spawn_blocking(move || inv.snapshot()).await {
+        Ok(Ok(s)) => s,
+        Ok(Err(e)) => {
+            tracing::warn!("{e}");
+            InventorySnapshot {
+                gpus: Vec::new(),
+                driver_version: None,
+                source: "none".into(),
+            }
+        }
+        Err(_) => InventorySnapshot {
+            gpus: Vec::new(),
+            driver_version: None,
+            source: "none".into(),
+        },
+    }
+}
+
+async fn poll_inventory(
+    inventory: Arc<dyn GpuInventory>,
+    every: Duration,
+    out: mpsc::Sender<InventorySnapshot>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut last: Option<InventorySnapshot> = None;
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(every) => {}
+            _ = stop.changed() => return,
+        }
+        let snap = read_inventory(&inventory).await;
+        if last.as_ref() != Some(&snap) {
+            last = Some(snap.clone());
+            if out.send(snap).await.is_err() {
+                return;
+            }
+        }
+    }
+}
+
+fn host_cpu_cores() -> u32 {
+    std::thread::available_parallelism()
+        .map(|n| n.get() as u32)
+        .unwrap_or(1)
+}
+
+fn host_ram_bytes() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .find(|l| l.starts_with("MemTotal:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<u64>().ok())
+        })
+        .map(|kb| kb * 1024)
+        .unwrap_or(0)
+}

@@ -1,0 +1,114 @@
+//! The libp2p side of a node: which protocols it speaks and how its swarm is built.
+//!
+//! QUIC (quinn) first, TCP + noise + yamux as fallback; identify and ping so any
+//! standard libp2p peer can talk to us; Kademlia under gpunode's own protocol name (never
+//! the public IPFS DHT) with inbound records filtered through the advert book; mDNS on
+//! the LAN when enabled.
+
+#![allow(missing_docs)] // the NetworkBehaviour derive generates an undocumented event enum
+
+use std::time::Duration;
+
+use gpunode_protocol::advert::MAX_SIGNED_ADVERT_BYTES;
+use libp2p::identity::Keypair;
+use libp2p::kad::store::{MemoryStore, MemoryStoreConfig};
+use libp2p::swarm::behaviour::toggle::Toggle;
+use libp2p::swarm::NetworkBehaviour;
+use libp2p::{identify, kad, mdns, noise, ping, tcp, yamux, StreamProtocol, Swarm};
+
+/// Kademlia protocol name of the public gpunode network.
+pub const KAD_PROTOCOL: StreamProtocol = StreamProtocol::new("/gpunode/kad/1.0.0");
+/// Identify protocol version string.
+pub const IDENTIFY_PROTOCOL_VERSION: &str = "/gpunode/1.0.0";
+
+/// Why the swarm could not be built.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot set up networking: {0}")]
+pub struct NetworkSetupError(String);
+
+/// All protocols a node runs.
+#[derive(NetworkBehaviour)]
+pub struct NodeBehaviour {
+    /// Peer and record routing.
+    pub kad: kad::Behaviour<MemoryStore>,
+    /// Exchange of listen addresses and protocols.
+    pub identify: identify::Behaviour,
+    /// Liveness.
+    pub ping: ping::Behaviour,
+    /// LAN discovery, when enabled.
+    pub mdns: Toggle<mdns::tokio::Behaviour>,
+}
+
+/// Settings the swarm is built from.
+#[derive(Debug, Clone)]
+pub struct SwarmSettings {
+    /// Enable mDNS.
+    pub mdns: bool,
+    /// Close idle connections after this long.
+    pub idle_connection_timeout: Duration,
+    /// Lifetime of provider records we store for others.
+    pub provider_record_ttl: Duration,
+    /// Kademlia server mode (answers queries, stores records) or client only.
+    pub server: bool,
+}
+
+/// Builds the swarm for `key` with every protocol configured.
+pub fn build_swarm(key: Keypair, settings: &SwarmSettings) -> Result<Swarm<NodeBehaviour>, NetworkSetupError> {
+    let err = |e: &dyn std::fmt::Display| NetworkSetupError(e.to_string());
+    let swarm = libp2p::SwarmBuilder::with_existing_identity(key)
+        .with_tokio()
+        .with_tcp(
+            tcp::Config::default().nodelay(true),
+            noise::Config::new,
+            yamux::Config::default,
+        )
+        .map_err(|e| err(&e))?
+        .with_quic()
+        .with_behaviour(|key| {
+            let peer_id = key.public().to_peer_id();
+            let store = MemoryStore::with_config(
+                peer_id,
+                MemoryStoreConfig {
+                    max_records: 20_000,
+                    max_value_bytes: MAX_SIGNED_ADVERT_BYTES,
+                    max_providers_per_key: 256,
+                    max_provided_keys: 256,
+                },
+            );
+            let mut kad_config = kad::Config::new(KAD_PROTOCOL);
+            kad_config
+                .set_record_filtering(kad::StoreInserts::FilterBoth)
+                .set_query_timeout(Duration::from_secs(10))
+                .set_caching(kad::Caching::Disabled)
+                // The node re-publishes its advert and provider records itself.
+                .set_publication_interval(None)
+                .set_provider_publication_interval(None)
+                .set_provider_record_ttl(Some(settings.provider_record_ttl))
+                .set_max_packet_size(64 * 1024);
+            let mut kad = kad::Behaviour::with_config(peer_id, store, kad_config);
+            kad.set_mode(Some(if settings.server {
+                kad::Mode::Server
+            } else {
+                kad::Mode::Client
+            }));
+            let identify = identify::Behaviour::new(
+                identify::Config::new(IDENTIFY_PROTOCOL_VERSION.to_string(), key.public())
+                    .with_agent_version(format!("gpunode/{}", env!("CARGO_PKG_VERSION"))),
+            );
+            let mdns = if settings.mdns {
+                Some(mdns::tokio::Behaviour::new(mdns::Config::default(), peer_id)?)
+            } else {
+                None
+            };
+            Ok(NodeBehaviour {
+                kad,
+                identify,
+                ping: ping::Behaviour::default(),
+                mdns: Toggle::from(mdns),
+            })
+        })
+        .map_err(|e| err(&e))?
+        .with_swarm_config(|c| c.with_idle_connection_timeout(settings.idle_connection_timeout))
+        .build();
+    Ok(swarm)
+}

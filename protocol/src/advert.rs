@@ -1,0 +1,451 @@
+//! Signed adverts: the record a node publishes in the DHT to say what it offers, and the
+//! capability keys under which it registers as a provider.
+//!
+//! An advert is encoded canonically, signed with the publisher's identity key behind a
+//! domain tag, and wrapped with the public key so any reader can check it against the
+//! peer id it was published for. Readers call [`verify_advert`], which refuses oversized
+//! bytes before decoding, forged or mismatched signatures, expired adverts and adverts
+//! issued in the future beyond the tolerated clock skew. Refusing adverts whose sequence
+//! number is lower than one already seen needs memory of earlier adverts and is done by
+//! the node's advert book.
+
+use serde::{Deserialize, Serialize};
+
+use crate::encoding::{self, DecodeError};
+use crate::gpu::{model_family, GpuState};
+use crate::signing::{self, SignatureError};
+use crate::time::{UnixMillis, MAX_CLOCK_SKEW_MS};
+use crate::{Keypair, PeerId};
+
+/// Domain-separation tag prefixed to every advert body before signing.
+pub const ADVERT_SIGNING_TAG: &[u8] = b"gpunode/advert/v1\0";
+/// Version of the advert format this build writes and reads.
+pub const ADVERT_VERSION: u16 = 1;
+/// Largest signed advert a reader will look at, in bytes.
+pub const MAX_SIGNED_ADVERT_BYTES: usize = 16 * 1024;
+/// Longest lifetime an advert may claim; longer ones are refused as malformed.
+pub const MAX_ADVERT_TTL_MS: u64 = 24 * 3600 * 1000;
+
+/// One GPU as advertised.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AdvertGpu {
+    /// Index on the provider.
+    pub index: u32,
+    /// Stable identifier.
+    pub uuid: String,
+    /// Product name.
+    pub model: String,
+    /// Total memory in bytes.
+    pub memory_bytes: u64,
+    /// Idle, leased, or busy with the owner's work.
+    pub state: GpuState,
+    /// MIG mode on.
+    pub mig_enabled: bool,
+    /// CUDA compute capability.
+    pub compute_capability: Option<(u32, u32)>,
+}
+
+/// What a node offers, as signed by it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Advert {
+    /// Format version ([`ADVERT_VERSION`]).
+    pub version: u16,
+    /// The node that offers.
+    pub publisher: PeerId,
+    /// Increases with every change; readers keep the highest they have seen.
+    pub seq: u64,
+    /// When it was signed.
+    pub issued_at_ms: UnixMillis,
+    /// After this instant nobody should believe it.
+    pub expires_at_ms: UnixMillis,
+    /// GPUs on offer.
+    pub gpus: Vec<AdvertGpu>,
+    /// CPU cores on offer.
+    pub cpu_cores: u32,
+    /// RAM on offer in bytes.
+    pub ram_bytes: u64,
+    /// Executors the node runs (`wasm`, `container`).
+    pub backends: Vec<String>,
+    /// Price per GPU-hour in thousandths of a credit.
+    pub price_per_gpu_hour_millicredits: u64,
+    /// Addresses the node listens on.
+    pub listen_addrs: Vec<String>,
+    /// True when the GPUs are simulated (test networks).
+    pub simulated: bool,
+    /// True when the node has stopped offering (sent on shutdown).
+    pub withdrawn: bool,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct SignedAdvert {
+    body: Vec<u8>,
+    public_key: Vec<u8>,
+    signature: Vec<u8>,
+}
+
+/// Why an advert was refused. [`AdvertError::reason`] gives a metrics label.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum AdvertError {
+    /// Bytes could not be decoded, or were too large.
+    #[error("undecodable advert: {0}")]
+    Decode(#[from] DecodeError),
+    /// Signature or key problem.
+    #[error("advert signature invalid: {0}")]
+    Signature(#[from] SignatureError),
+    /// Body names another publisher than the key that signed it.
+    #[error("advert body names publisher {body} but was signed by {signer}")]
+    PublisherMismatch {
+        /// Publisher inside the body.
+        body: PeerId,
+        /// Peer of the signing key.
+        signer: PeerId,
+    },
+    /// Written by an unknown format version.
+    #[error("advert version {0} is not supported (this build reads version {ADVERT_VERSION})")]
+    UnsupportedVersion(u16),
+    /// Its expiry has passed.
+    #[error("advert expired {ago_ms} ms ago")]
+    Expired {
+        /// How long ago.
+        ago_ms: u64,
+    },
+    /// Issued further in the future than the tolerated clock skew.
+    #[error("advert issued {ahead_ms} ms in the future (more than the {MAX_CLOCK_SKEW_MS} ms clock skew tolerated)")]
+    FromFuture {
+        /// How far ahead.
+        ahead_ms: u64,
+    },
+    /// Expiry before issue time or lifetime beyond [`MAX_ADVERT_TTL_MS`].
+    #[error("advert lifetime is invalid")]
+    BadLifetime,
+    /// A lower or equal sequence number than one already seen from the same publisher.
+    #[error("advert sequence {got} is not newer than {known}")]
+    Stale {
+        /// Sequence received.
+        got: u64,
+        /// Highest sequence already known.
+        known: u64,
+    },
+}
+
+impl AdvertError {
+    /// A short, stable label for metrics.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            AdvertError::Decode(DecodeError::TooLarge { .. }) => "oversized",
+            AdvertError::Decode(_) => "malformed",
+            AdvertError::Signature(SignatureError::WrongKey { .. })
+            | AdvertError::PublisherMismatch { .. } => "wrong_key",
+            AdvertError::Signature(_) => "bad_signature",
+            AdvertError::UnsupportedVersion(_) => "unsupported_version",
+            AdvertError::Expired { .. } => "expired",
+            AdvertError::FromFuture { .. } | AdvertError::BadLifetime => "bad_time",
+            AdvertError::Stale { .. } => "stale",
+        }
+    }
+}
+
+impl Advert {
+    /// Signs the advert with the publisher's key and returns the record bytes.
+    pub fn sign(&self, key: &Keypair) -> Result<Vec<u8>, SignatureError> {
+        let body = encoding::encode(self);
+        let signature = signing::sign(key, ADVERT_SIGNING_TAG, &body)?;
+        Ok(encoding::encode(&SignedAdvert {
+            body,
+            public_key: key.public().encode_protobuf(),
+            signature,
+        }))
+    }
+
+    /// Number of GPUs in the advert that are idle.
+    pub fn idle_gpus(&self) -> usize {
+        self.gpus
+            .iter()
+            .filter(|g| g.state == GpuState::Idle)
+            .count()
+    }
+
+    /// Whether the advert offers what `filter` asks for.
+    pub fn matches(&self, filter: &OfferFilter) -> bool {
+        if self.withdrawn {
+            return false;
+        }
+        if let Some(backend) = &filter.backend {
+            if !self.backends.iter().any(|b| b.eq_ignore_ascii_case(backend)) {
+                return false;
+            }
+        }
+        let wanted = filter.gpus.unwrap_or(
+            if filter.gpu_model.is_some() || filter.min_gpu_mem_bytes.is_some() {
+                1
+            } else {
+                0
+            },
+        );
+        let matching = self
+            .gpus
+            .iter()
+            .filter(|g| filter.gpu_matches(&g.model, g.memory_bytes))
+            .count();
+        matching >= wanted as usize
+    }
+}
+
+/// What a requester looks for in adverts.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OfferFilter {
+    /// GPU model or family (`A100`, `RTX4090`).
+    pub gpu_model: Option<String>,
+    /// Least memory per GPU in bytes.
+    pub min_gpu_mem_bytes: Option<u64>,
+    /// Least number of matching GPUs (1 when a model or memory is asked for, else 0).
+    pub gpus: Option<u32>,
+    /// Backend that must be offered.
+    pub backend: Option<String>,
+}
+
+impl OfferFilter {
+    /// Whether one GPU satisfies the model and memory parts of the filter.
+    pub fn gpu_matches(&self, model: &str, memory_bytes: u64) -> bool {
+        if let Some(want) = &self.gpu_model {
+            let family_match = model_family(model) == model_family(want);
+            let name_match = model
+                .to_ascii_uppercase()
+                .contains(&want.to_ascii_uppercase());
+            if !family_match && !name_match {
+                return false;
+            }
+        }
+        self.min_gpu_mem_bytes.is_none_or(|min| memory_bytes >= min)
+    }
+
+    /// The capability key a requester looks up providers under for this filter.
+    pub fn capability_key(&self) -> Vec<u8> {
+        if let Some(model) = &self.gpu_model {
+            capability_key(&format!("model/{}", model_family(model)))
+        } else if self.gpus.unwrap_or(0) > 0 || self.min_gpu_mem_bytes.is_some() {
+            capability_key("gpu")
+        } else if let Some(backend) = &self.backend {
+            capability_key(&format!("backend/{}", backend.to_ascii_lowercase()))
+        } else {
+            capability_key("any")
+        }
+    }
+}
+
+fn capability_key(name: &str) -> Vec<u8> {
+    format!("/gpunode/v1/cap/{name}").into_bytes()
+}
+
+/// The DHT key under which `peer` stores its advert.
+pub fn advert_record_key(peer: &PeerId) -> Vec<u8> {
+    let mut key = b"/gpunode/v1/advert/".to_vec();
+    key.extend_from_slice(&peer.to_bytes());
+    key
+}
+
+/// If `key` is an advert record key, the peer it belongs to.
+pub fn peer_of_advert_key(key: &[u8]) -> Option<PeerId> {
+    let rest = key.strip_prefix(b"/gpunode/v1/advert/".as_slice())?;
+    PeerId::from_bytes(rest).ok()
+}
+
+/// Every capability key an advert's publisher registers as provider under.
+pub fn capability_keys(advert: &Advert) -> Vec<Vec<u8>> {
+    let mut keys = vec![capability_key("any")];
+    if !advert.gpus.is_empty() {
+        keys.push(capability_key("gpu"));
+    }
+    let mut families: Vec<String> = advert.gpus.iter().map(|g| model_family(&g.model)).collect();
+    families.sort();
+    families.dedup();
+    keys.extend(families.iter().map(|f| capability_key(&format!("model/{f}"))));
+    keys.extend(
+        advert
+            .backends
+            .iter()
+            .map(|b| capability_key(&format!("backend/{}", b.to_ascii_lowercase()))),
+    );
+    keys
+}
+
+/// Checks advert record bytes published under `claimed`'s advert key at time `now`.
+pub fn verify_advert(
+    bytes: &[u8],
+    claimed: &PeerId,
+    now: UnixMillis,
+) -> Result<Advert, AdvertError> {
+    let signed: SignedAdvert = encoding::decode(bytes, MAX_SIGNED_ADVERT_BYTES)?;
+    let key = signing::key_of(claimed, &signed.public_key)?;
+    signing::verify(&key, ADVERT_SIGNING_TAG, &signed.body, &signed.signature)?;
+    let advert: Advert = encoding::decode(&signed.body, MAX_SIGNED_ADVERT_BYTES)?;
+    if advert.version != ADVERT_VERSION {
+        return Err(AdvertError::UnsupportedVersion(advert.version));
+    }
+    if advert.publisher != *claimed {
+        return Err(AdvertError::PublisherMismatch {
+            body: advert.publisher,
+            signer: *claimed,
+        });
+    }
+    if advert.expires_at_ms < advert.issued_at_ms
+        || advert.expires_at_ms - advert.issued_at_ms > MAX_ADVERT_TTL_MS
+    {
+        return Err(AdvertError::BadLifetime);
+    }
+    if advert.issued_at_ms > now + MAX_CLOCK_SKEW_MS {
+        return Err(AdvertError::FromFuture {
+            ahead_ms: advert.issued_at_ms - now,
+        });
+    }
+    if advert.expires_at_ms <= now {
+        return Err(AdvertError::Expired {
+            ago_ms: now - advert.expires_at_ms,
+        });
+    }
+    Ok(advert)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(key: &Keypair, seq: u64, now: UnixMillis) -> Advert {
+        Advert {
+            version: ADVERT_VERSION,
+            publisher: key.public().to_peer_id(),
+            seq,
+            issued_at_ms: now,
+            expires_at_ms: now + 60_000,
+            gpus: vec![AdvertGpu {
+                index: 0,
+                uuid: "GPU-sim-0".into(),
+                model: "A100-80GB".into(),
+                memory_bytes: 80 << 30,
+                state: GpuState::Idle,
+                mig_enabled: false,
+                compute_capability: Some((8, 0)),
+            }],
+            cpu_cores: 8,
+            ram_bytes: 64 << 30,
+            backends: vec!["wasm".into()],
+            price_per_gpu_hour_millicredits: 1000,
+            listen_addrs: vec!["/ip4/127.0.0.1/udp/1/quic-v1".into()],
+            simulated: true,
+            withdrawn: false,
+        }
+    }
+
+    const NOW: UnixMillis = 1_800_000_000_000;
+
+    #[test]
+    fn signed_advert_verifies() {
+        let k = Keypair::generate_ed25519();
+        let a = sample(&k, 1, NOW);
+        let bytes = a.sign(&k).expect("sign");
+        assert_eq!(verify_advert(&bytes, &a.publisher, NOW), Ok(a));
+    }
+
+    #[test]
+    fn tampered_field_is_rejected() {
+        let k = Keypair::generate_ed25519();
+        let a = sample(&k, 1, NOW);
+        let mut signed: SignedAdvert = encoding::decode(&a.sign(&k).expect("sign"), 1 << 20).expect("decode");
+        let mut body: Advert = encoding::decode(&signed.body, 1 << 20).expect("decode");
+        body.price_per_gpu_hour_millicredits = 1;
+        signed.body = encoding::encode(&body);
+        let err = verify_advert(&encoding::encode(&signed), &a.publisher, NOW).unwrap_err();
+        assert_eq!(err.reason(), "bad_signature");
+        // Flipping a single byte of the body also breaks it.
+        let mut bytes = a.sign(&k).expect("sign");
+        let n = bytes.len();
+        bytes[n - 100] ^= 1;
+        assert!(verify_advert(&bytes, &a.publisher, NOW).is_err());
+    }
+
+    #[test]
+    fn wrong_key_is_rejected() {
+        let k = Keypair::generate_ed25519();
+        let mallory = Keypair::generate_ed25519();
+        // Mallory signs an advert that claims to be k's.
+        let a = sample(&k, 1, NOW);
+        let bytes = a.sign(&mallory).expect("sign");
+        let err = verify_advert(&bytes, &a.publisher, NOW).unwrap_err();
+        assert_eq!(err.reason(), "wrong_key");
+        // Mallory's own valid advert stored under k's key.
+        let m = sample(&mallory, 1, NOW);
+        let err = verify_advert(&m.sign(&mallory).expect("sign"), &a.publisher, NOW).unwrap_err();
+        assert_eq!(err.reason(), "wrong_key");
+        // Body naming another publisher than the signer.
+        let mut forged = sample(&mallory, 1, NOW);
+        forged.publisher = a.publisher;
+        let err = verify_advert(
+            &forged.sign(&mallory).expect("sign"),
+            &mallory.public().to_peer_id(),
+            NOW,
+        )
+        .unwrap_err();
+        assert!(matches!(err, AdvertError::PublisherMismatch { .. }));
+    }
+
+    #[test]
+    fn expired_and_future_adverts_are_rejected() {
+        let k = Keypair::generate_ed25519();
+        let a = sample(&k, 1, NOW);
+        let bytes = a.sign(&k).expect("sign");
+        let err = verify_advert(&bytes, &a.publisher, NOW + 60_000).unwrap_err();
+        assert_eq!(err.reason(), "expired");
+        let err = verify_advert(&bytes, &a.publisher, NOW - MAX_CLOCK_SKEW_MS - 1).unwrap_err();
+        assert_eq!(err.reason(), "bad_time");
+        // Within the skew it is accepted.
+        assert!(verify_advert(&bytes, &a.publisher, NOW - MAX_CLOCK_SKEW_MS).is_ok());
+        let mut long = sample(&k, 1, NOW);
+        long.expires_at_ms = NOW + MAX_ADVERT_TTL_MS + 1;
+        let err = verify_advert(&long.sign(&k).expect("sign"), &a.publisher, NOW).unwrap_err();
+        assert_eq!(err, AdvertError::BadLifetime);
+    }
+
+    #[test]
+    fn oversized_record_rejected_before_decoding() {
+        let k = Keypair::generate_ed25519();
+        let bytes = vec![0u8; MAX_SIGNED_ADVERT_BYTES + 1];
+        let err = verify_advert(&bytes, &k.public().to_peer_id(), NOW).unwrap_err();
+        assert_eq!(err.reason(), "oversized");
+        let err = verify_advert(b"garbage", &k.public().to_peer_id(), NOW).unwrap_err();
+        assert_eq!(err.reason(), "malformed");
+    }
+
+    #[test]
+    fn filters_and_capability_keys() {
+        let k = Keypair::generate_ed25519();
+        let mut a = sample(&k, 1, NOW);
+        a.gpus.push(AdvertGpu {
+            model: "Tesla T4".into(),
+            memory_bytes: 16 << 30,
+            ..a.gpus[0].clone()
+        });
+        let f = |m: Option<&str>, mem: Option<u64>, n: Option<u32>| OfferFilter {
+            gpu_model: m.map(str::to_string),
+            min_gpu_mem_bytes: mem,
+            gpus: n,
+            backend: None,
+        };
+        assert!(a.matches(&f(Some("A100"), None, None)));
+        assert!(a.matches(&f(Some("t4"), None, None)));
+        assert!(!a.matches(&f(Some("H100"), None, None)));
+        assert!(a.matches(&f(None, Some(40 << 30), Some(1))));
+        assert!(!a.matches(&f(None, Some(40 << 30), Some(2))));
+        assert!(a.matches(&f(None, None, Some(2))));
+        let keys = capability_keys(&a);
+        assert!(keys.contains(&f(Some("A100"), None, None).capability_key()));
+        assert!(keys.contains(&f(Some("NVIDIA T4"), None, None).capability_key()));
+        assert!(keys.contains(&f(None, None, Some(1)).capability_key()));
+        assert!(keys.contains(&OfferFilter::default().capability_key()));
+        a.withdrawn = true;
+        assert!(!a.matches(&OfferFilter::default()));
+        assert_eq!(
+            peer_of_advert_key(&advert_record_key(&a.publisher)),
+            Some(a.publisher)
+        );
+    }
+}

@@ -1,0 +1,125 @@
+//! Benchmarks over in-process networks. Figures go to docs/benchmarks.md together with
+//! the command that reproduced them; tests never assert timings.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Result};
+use gpunode_protocol::advert::OfferFilter;
+use serde::Serialize;
+
+use crate::{TestNet, TestNetConfig, Transport};
+
+/// GPU models spread over benchmark networks, so no capability key has more than
+/// Kademlia's 20 providers at 200 nodes (a response carries at most k = 20 providers).
+pub const BENCH_MODELS: [&str; 12] = [
+    "A100-80GB", "H100-80GB", "T4-16GB", "V100-32GB", "L4-24GB", "A10-24GB",
+    "L40S-48GB", "RTX4090-24GB", "P100-16GB", "A6000-48GB", "H200-141GB", "A40-48GB",
+];
+
+/// Result of one `discovery` run.
+#[derive(Debug, Clone, Serialize)]
+pub struct DiscoveryReport {
+    /// Nodes in the network.
+    pub nodes: usize,
+    /// Lookups measured.
+    pub lookups: usize,
+    /// Median time to find all providers of one GPU model, ms.
+    pub median_ms: f64,
+    /// 95th percentile, ms.
+    pub p95_ms: f64,
+    /// Median Kademlia requests per lookup (provider lookup plus advert fetches).
+    pub median_dht_requests: u32,
+    /// Fraction of lookups that found every provider of the model.
+    pub complete_fraction: f64,
+    /// Resident memory added per node, MiB.
+    pub rss_per_node_mib: f64,
+    /// Seconds it took to start the network.
+    pub startup_s: f64,
+}
+
+/// Resident set size of this process in bytes.
+pub fn rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<u64>().ok())
+        })
+        .map(|kb| kb * 1024)
+        .unwrap_or(0)
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let idx = ((sorted.len() - 1) as f64 * p).round() as usize;
+    sorted[idx]
+}
+
+/// Starts `n` nodes (QUIC), waits until every model's providers are all visible to a
+/// client, then times `lookups` lookups of one model's providers each.
+pub async fn discovery(n: usize, lookups: usize) -> Result<DiscoveryReport> {
+    let specs: Vec<Option<String>> = (0..n)
+        .map(|i| Some(format!("{}x{}", 1 + i % 2, BENCH_MODELS[i % BENCH_MODELS.len()])))
+        .collect();
+    let mut expected = [0usize; BENCH_MODELS.len()];
+    for i in 0..n {
+        expected[i % BENCH_MODELS.len()] += 1;
+    }
+    let rss_before = rss_bytes();
+    let started = Instant::now();
+    let mut config = TestNetConfig::new(specs);
+    config.transport = Transport::Quic;
+    config.ephemeral_store = true;
+    config.advert_ttl = Duration::from_secs(600);
+    config.inventory_poll = Duration::from_secs(5);
+    config.batch = 10;
+    let net = TestNet::start(config).await?;
+    let client = net.client().await?;
+    let filter = |m: usize| OfferFilter {
+        gpu_model: Some(BENCH_MODELS[m].to_string()),
+        ..OfferFilter::default()
+    };
+    for (m, want) in expected.iter().enumerate() {
+        TestNet::wait_for_offers(&client.handle, &filter(m), Duration::from_secs(120), |o| {
+            o.len() >= *want
+        })
+        .await?;
+    }
+    let startup_s = started.elapsed().as_secs_f64();
+    let rss_per_node = (rss_bytes().saturating_sub(rss_before)) as f64 / n as f64;
+
+    let mut times = Vec::with_capacity(lookups);
+    let mut requests = Vec::with_capacity(lookups);
+    let mut complete = 0usize;
+    for j in 0..lookups {
+        let m = j % BENCH_MODELS.len();
+        let t = Instant::now();
+        let search = client.handle.search_offers(filter(m)).await?;
+        times.push(t.elapsed().as_secs_f64() * 1000.0);
+        requests.push(search.dht_requests);
+        if search.offers.len() == expected[m] {
+            complete += 1;
+        }
+    }
+    if times.is_empty() {
+        bail!("no lookups measured");
+    }
+    times.sort_by(f64::total_cmp);
+    requests.sort();
+    let report = DiscoveryReport {
+        nodes: n,
+        lookups,
+        median_ms: percentile(&times, 0.5),
+        p95_ms: percentile(&times, 0.95),
+        median_dht_requests: requests[requests.len() / 2],
+        complete_fraction: complete as f64 / lookups as f64,
+        rss_per_node_mib: rss_per_node / (1024.0 * 1024.0),
+        startup_s,
+    };
+    net.shutdown().await;
+    Ok(report)
+}

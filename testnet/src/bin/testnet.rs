@@ -1,0 +1,114 @@
+//! `testnet`: start a local network of `gpunode serve` processes for demos, or run the
+//! benchmarks over in-process networks.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand};
+use testnet::process::{ServeProcess, SIGINT};
+
+#[derive(Debug, Parser)]
+#[command(name = "testnet", about = "Local gpunode networks for demos and benchmarks")]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// Start N `gpunode serve` processes on 127.0.0.1 with simulated GPUs; Ctrl-C stops them.
+    Up {
+        /// Number of nodes.
+        #[arg(long, default_value_t = 5)]
+        nodes: usize,
+        /// Simulated GPU specs, used round-robin.
+        #[arg(long, value_delimiter = ';', default_value = "2xA100-80GB;1xT4-16GB;4xH100-80GB;1xRTX4090-24GB")]
+        gpus: Vec<String>,
+        /// Where the nodes' data dirs go (default: a temporary directory).
+        #[arg(long)]
+        dir: Option<PathBuf>,
+    },
+    /// Run a benchmark and print its figures as JSON lines.
+    Bench {
+        #[command(subcommand)]
+        which: Bench,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum Bench {
+    /// Provider lookup time, DHT requests and memory per node.
+    Discovery {
+        /// Network sizes, comma separated.
+        #[arg(long, value_delimiter = ',', default_value = "50,100,200")]
+        nodes: Vec<usize>,
+        /// Lookups per network.
+        #[arg(long, default_value_t = 200)]
+        lookups: usize,
+    },
+}
+
+fn gpunode_binary() -> Result<PathBuf> {
+    let exe = std::env::current_exe()?;
+    let dir = exe.parent().context("no parent dir")?;
+    let bin = dir.join("gpunode");
+    if !bin.exists() {
+        eprintln!("building the gpunode binary first ...");
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let mut cmd = std::process::Command::new(cargo);
+        cmd.args(["build", "-p", "gpunode"]);
+        if dir.ends_with("release") {
+            cmd.arg("--release");
+        }
+        if !cmd.status()?.success() {
+            bail!("cargo build -p gpunode failed");
+        }
+    }
+    Ok(bin)
+}
+
+fn up(nodes: usize, gpus: Vec<String>, dir: Option<PathBuf>) -> Result<()> {
+    let bin = gpunode_binary()?;
+    let tmp = tempfile::Builder::new().prefix("gpunode-up").tempdir()?;
+    let root = dir.unwrap_or_else(|| tmp.path().to_path_buf());
+    let mut procs: Vec<ServeProcess> = Vec::new();
+    for i in 0..nodes {
+        let mut extra = vec![
+            "--simulate-gpus".to_string(),
+            gpus[i % gpus.len().max(1)].clone(),
+        ];
+        if let Some(first) = procs.first() {
+            extra.push("--bootstrap".into());
+            extra.push(first.addr.clone());
+        }
+        let p = ServeProcess::start(&bin, &root.join(format!("node{i}")), &extra)?;
+        println!("node{i}  {}  pid {}  {}", p.peer_id, p.pid(), p.addr);
+        procs.push(p);
+    }
+    println!();
+    println!("Try:  {} --data-dir {} offers", bin.display(), root.join("node0").display());
+    println!("      {} --data-dir {} status", bin.display(), root.join("node0").display());
+    println!("Ctrl-C stops the network.");
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    rt.block_on(async { tokio::signal::ctrl_c().await })?;
+    for p in &mut procs {
+        let _ = p.stop(SIGINT, Duration::from_secs(5));
+    }
+    Ok(())
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        Cmd::Up { nodes, gpus, dir } => up(nodes, gpus, dir),
+        Cmd::Bench { which: Bench::Discovery { nodes, lookups } } => {
+            let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+            for n in nodes {
+                let report = rt.block_on(testnet::bench::discovery(n, lookups))?;
+                println!("{}", serde_json::to_string(&report)?);
+            }
+            Ok(())
+        }
+    }
+}

@@ -1,0 +1,247 @@
+//! Many real gpunode nodes on one machine, for tests, demos and benchmarks.
+//!
+//! [`TestNet`] starts N nodes in this process on 127.0.0.1 (real swarms, real QUIC or
+//! TCP, each with its own temporary data dir and simulated GPUs) and waits until they
+//! see each other. [`process`] starts real `gpunode serve` processes instead. The
+//! `testnet` binary uses both for `up` (a demo network) and `bench` (benchmarks).
+
+pub mod bench;
+pub mod process;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use gpunode_node::inventory::SimulatedGpus;
+use gpunode_node::{DataDir, Node, NodeConfig, NodeHandle, NodeOptions, OfferView, Role};
+use gpunode_protocol::advert::OfferFilter;
+use tempfile::TempDir;
+
+/// Which transport the nodes of a test network listen on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transport {
+    /// QUIC over UDP.
+    Quic,
+    /// TCP + noise + yamux.
+    Tcp,
+}
+
+impl Transport {
+    fn listen_addr(self) -> String {
+        match self {
+            Transport::Quic => "/ip4/127.0.0.1/udp/0/quic-v1".to_string(),
+            Transport::Tcp => "/ip4/127.0.0.1/tcp/0".to_string(),
+        }
+    }
+}
+
+/// How to build a test network.
+#[derive(Debug, Clone)]
+pub struct TestNetConfig {
+    /// One entry per node: its simulated GPU spec (`None`: no GPUs).
+    pub gpus: Vec<Option<String>>,
+    /// Transport to listen on.
+    pub transport: Transport,
+    /// Advert lifetime.
+    pub advert_ttl: Duration,
+    /// Inventory poll interval.
+    pub inventory_poll: Duration,
+    /// Keep stores in memory (large networks).
+    pub ephemeral_store: bool,
+    /// Nodes started (and bootstrapped) at a time; bootstrapping all at once is CPU-heavy.
+    pub batch: usize,
+}
+
+impl TestNetConfig {
+    /// A network with one node per spec, QUIC, 30 s adverts, 100 ms inventory polling.
+    pub fn new(gpus: Vec<Option<String>>) -> TestNetConfig {
+        TestNetConfig {
+            gpus,
+            transport: Transport::Quic,
+            advert_ttl: Duration::from_secs(30),
+            inventory_poll: Duration::from_millis(100),
+            ephemeral_store: false,
+            batch: 20,
+        }
+    }
+}
+
+/// One node of a test network.
+pub struct TestNode {
+    node: Option<Node>,
+    /// Handle to talk to it.
+    pub handle: NodeHandle,
+    /// Its simulated GPUs, to script owner processes.
+    pub gpus: Option<SimulatedGpus>,
+    /// An address it listens on, with `/p2p/PEER_ID`.
+    pub addr: String,
+    dir: TempDir,
+}
+
+impl TestNode {
+    /// The node's data directory.
+    pub fn data_dir(&self) -> DataDir {
+        DataDir::new(self.dir.path())
+    }
+
+    /// Graceful stop (advert withdrawn).
+    pub async fn shutdown(&mut self) {
+        if let Some(node) = self.node.take() {
+            node.shutdown().await;
+        }
+    }
+
+    /// Abrupt stop, as a crash: nothing withdrawn, the advert stays until it expires.
+    pub fn crash(&mut self) {
+        if let Some(node) = self.node.take() {
+            node.abort();
+        }
+    }
+}
+
+fn node_config(cfg: &TestNetConfig, spec: Option<&String>, bootstrap: &[String]) -> Result<NodeConfig> {
+    let mut config = NodeConfig {
+        mdns: false,
+        advert_ttl: cfg.advert_ttl,
+        inventory_poll: cfg.inventory_poll,
+        simulate_gpus: spec.cloned(),
+        cpu_cores: Some(8),
+        ram: Some(64 << 30),
+        ..NodeConfig::default()
+    };
+    config.listen = vec![cfg.transport.listen_addr().parse()?];
+    config.bootstrap = bootstrap
+        .iter()
+        .map(|a| a.parse())
+        .collect::<Result<_, _>>()?;
+    Ok(config)
+}
+
+/// Starts one provider node bootstrapped to `bootstrap`.
+pub async fn start_node(cfg: &TestNetConfig, spec: Option<&String>, bootstrap: &[String]) -> Result<TestNode> {
+    let dir = tempfile::Builder::new().prefix("gpunode-testnet").tempdir()?;
+    let data_dir = DataDir::new(dir.path());
+    let config = node_config(cfg, spec, bootstrap)?;
+    let peer = data_dir.load_or_create_identity()?.public().to_peer_id();
+    let gpus = match spec {
+        Some(s) => Some(SimulatedGpus::from_spec(s, &peer.to_string())?),
+        None => None,
+    };
+    let mut opts = NodeOptions::new(config, data_dir, Role::Provider);
+    opts.serve_api = false;
+    opts.ephemeral_store = cfg.ephemeral_store;
+    opts.inventory = Some(match &gpus {
+        Some(g) => Arc::new(g.clone()),
+        None => Arc::new(gpunode_node::inventory::NoGpus),
+    });
+    let node = Node::start(opts).await?;
+    let handle = node.handle();
+    let addr = wait_for_listen_addr(&handle).await?;
+    Ok(TestNode {
+        node: Some(node),
+        handle,
+        gpus,
+        addr,
+        dir,
+    })
+}
+
+async fn wait_for_listen_addr(handle: &NodeHandle) -> Result<String> {
+    for _ in 0..200 {
+        let status = handle.status().await?;
+        if let Some(a) = status.listen_addrs.first() {
+            return Ok(format!("{a}/p2p/{}", status.peer_id));
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    bail!("node did not start listening within 2s")
+}
+
+/// A network of in-process nodes.
+pub struct TestNet {
+    /// The nodes, in start order; node 0 is everyone's bootstrap peer.
+    pub nodes: Vec<TestNode>,
+    config: TestNetConfig,
+}
+
+impl TestNet {
+    /// Starts the network and waits until every node has peers in its routing table.
+    pub async fn start(config: TestNetConfig) -> Result<TestNet> {
+        let mut nodes: Vec<TestNode> = Vec::with_capacity(config.gpus.len());
+        let specs = config.gpus.clone();
+        let mut iter = specs.iter();
+        if let Some(first) = iter.next() {
+            nodes.push(start_node(&config, first.as_ref(), &[]).await?);
+        }
+        let bootstrap = nodes.first().map(|n| vec![n.addr.clone()]).unwrap_or_default();
+        let rest: Vec<&Option<String>> = iter.collect();
+        for batch in rest.chunks(config.batch.max(1)) {
+            for spec in batch {
+                nodes.push(start_node(&config, spec.as_ref(), &bootstrap).await?);
+            }
+            let want = nodes.len().saturating_sub(1).min(1);
+            for n in nodes.iter().rev().take(batch.len()) {
+                n.handle
+                    .wait_for_routing(want, Duration::from_secs(30))
+                    .await
+                    .context("a node found no peers within 30s")?;
+            }
+        }
+        Ok(TestNet { nodes, config })
+    }
+
+    /// A client node (advertises nothing) bootstrapped to node 0.
+    pub async fn client(&self) -> Result<TestNode> {
+        let dir = tempfile::Builder::new().prefix("gpunode-client").tempdir()?;
+        let bootstrap: Vec<String> = self.nodes.first().map(|n| vec![n.addr.clone()]).unwrap_or_default();
+        let config = node_config(&self.config, None, &bootstrap)?;
+        let mut opts = NodeOptions::new(config, DataDir::new(dir.path()), Role::Client);
+        opts.serve_api = false;
+        opts.ephemeral_store = true;
+        let node = Node::start(opts).await?;
+        let handle = node.handle();
+        handle
+            .wait_for_routing(1, Duration::from_secs(30))
+            .await
+            .context("client found no peers")?;
+        let addr = wait_for_listen_addr(&handle).await?;
+        Ok(TestNode {
+            node: Some(node),
+            handle,
+            gpus: None,
+            addr,
+            dir,
+        })
+    }
+
+    /// Asks `from` for offers until `check` accepts the answer or `timeout` passes.
+    pub async fn wait_for_offers(
+        from: &NodeHandle,
+        filter: &OfferFilter,
+        timeout: Duration,
+        check: impl Fn(&[OfferView]) -> bool,
+    ) -> Result<Vec<OfferView>> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let offers = from.find_offers(filter.clone()).await?;
+            if check(&offers) {
+                return Ok(offers);
+            }
+            if tokio::time::Instant::now() >= deadline {
+                bail!(
+                    "condition not met within {timeout:?}; last answer had {} offers: {:?}",
+                    offers.len(),
+                    offers.iter().map(|o| &o.peer_id).collect::<Vec<_>>()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Stops every node gracefully.
+    pub async fn shutdown(mut self) {
+        for n in &mut self.nodes {
+            n.shutdown().await;
+        }
+    }
+}

@@ -1,0 +1,158 @@
+//! In-process networks of real nodes on 127.0.0.1: discovery of offers through the DHT.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use gpunode_protocol::advert::OfferFilter;
+use gpunode_protocol::gpu::GpuState;
+use testnet::{TestNet, TestNetConfig};
+
+fn specs() -> Vec<Option<String>> {
+    [
+        Some("2xA100-80GB"),
+        Some("1xA100-40GB"),
+        Some("1xT4-16GB"),
+        Some("4xH100-80GB"),
+        Some("1xRTX4090-24GB"),
+        Some("2xV100-32GB"),
+        Some("1xT4-16GB,1xA100-80GB"),
+        None,
+        Some("1xL4-24GB"),
+    ]
+    .into_iter()
+    .map(|s| s.map(str::to_string))
+    .collect()
+}
+
+fn ids(offers: &[gpunode_node::OfferView]) -> BTreeSet<String> {
+    offers.iter().map(|o| o.peer_id.clone()).collect()
+}
+
+fn peers_of(net: &TestNet, idx: &[usize]) -> BTreeSet<String> {
+    idx.iter().map(|i| net.nodes[*i].handle.peer_id().to_string()).collect()
+}
+
+fn filter(model: Option<&str>, mem: Option<u64>, gpus: Option<u32>) -> OfferFilter {
+    OfferFilter {
+        gpu_model: model.map(str::to_string),
+        min_gpu_mem_bytes: mem,
+        gpus,
+        backend: None,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queries_return_exactly_the_matching_providers() {
+    let net = TestNet::start(TestNetConfig::new(specs())).await.expect("start");
+    let client = net.client().await.expect("client");
+    let t = Duration::from_secs(30);
+    // Everyone, including the CPU-only node, once all adverts are in.
+    let all = TestNet::wait_for_offers(&client.handle, &OfferFilter::default(), t, |o| o.len() == 9)
+        .await
+        .expect("all nine providers visible");
+    assert_eq!(ids(&all), peers_of(&net, &[0, 1, 2, 3, 4, 5, 6, 7, 8]));
+    assert!(all.iter().all(|o| o.simulated || o.gpus.is_empty()));
+
+    let a100 = client.handle.find_offers(filter(Some("A100"), None, None)).await.expect("find");
+    assert_eq!(ids(&a100), peers_of(&net, &[0, 1, 6]));
+    let t4 = client.handle.find_offers(filter(Some("t4"), None, None)).await.expect("find");
+    assert_eq!(ids(&t4), peers_of(&net, &[2, 6]));
+    let big = client.handle.find_offers(filter(None, Some(40 << 30), None)).await.expect("find");
+    assert_eq!(ids(&big), peers_of(&net, &[0, 1, 3, 6]));
+    let two_big_a100 = client
+        .handle
+        .find_offers(filter(Some("A100"), Some(80 << 30), Some(2)))
+        .await
+        .expect("find");
+    assert_eq!(ids(&two_big_a100), peers_of(&net, &[0]));
+    let none = client.handle.find_offers(filter(Some("B200"), None, None)).await.expect("find");
+    assert!(none.is_empty());
+    // The right GPUs are reported for a provider.
+    let h100 = client.handle.find_offers(filter(Some("H100"), None, Some(4))).await.expect("find");
+    assert_eq!(h100.len(), 1);
+    assert_eq!(h100[0].gpus.len(), 4);
+    assert!(h100[0].gpus.iter().all(|g| g.model == "H100-80GB" && g.memory_bytes == 80 << 30));
+    net.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crashed_node_disappears_once_its_advert_expires() {
+    let mut config = TestNetConfig::new(vec![
+        Some("1xA100-80GB".into()),
+        Some("1xA100-80GB".into()),
+        Some("1xA100-80GB".into()),
+    ]);
+    config.advert_ttl = Duration::from_secs(3);
+    let mut net = TestNet::start(config).await.expect("start");
+    let client = net.client().await.expect("client");
+    let f = filter(Some("A100"), None, None);
+    let t = Duration::from_secs(20);
+    TestNet::wait_for_offers(&client.handle, &f, t, |o| o.len() == 3).await.expect("all three");
+    let victim = net.nodes[2].handle.peer_id().to_string();
+    net.nodes[2].crash();
+    // Nothing was withdrawn, so the advert is still served until it expires; then it is gone
+    // while the live nodes keep re-publishing theirs.
+    let after = TestNet::wait_for_offers(&client.handle, &f, t, |o| {
+        o.len() == 2 && !o.iter().any(|x| x.peer_id == victim)
+    })
+    .await
+    .expect("crashed node gone after expiry");
+    assert_eq!(after.len(), 2);
+    net.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn graceful_shutdown_withdraws_the_advert_before_it_expires() {
+    let mut config = TestNetConfig::new(vec![
+        Some("1xT4-16GB".into()),
+        Some("1xT4-16GB".into()),
+        Some("1xT4-16GB".into()),
+    ]);
+    config.advert_ttl = Duration::from_secs(600);
+    let mut net = TestNet::start(config).await.expect("start");
+    let client = net.client().await.expect("client");
+    let f = filter(Some("T4"), None, None);
+    TestNet::wait_for_offers(&client.handle, &f, Duration::from_secs(20), |o| o.len() == 3)
+        .await
+        .expect("all three");
+    let leaving = net.nodes[1].handle.peer_id().to_string();
+    net.nodes[1].shutdown().await;
+    // The advert would live ten minutes; the withdrawal removes it right away.
+    let offers = client.handle.find_offers(f).await.expect("find");
+    assert_eq!(offers.len(), 2, "withdrawn node still listed: {offers:?}");
+    assert!(!offers.iter().any(|o| o.peer_id == leaving));
+    net.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gpu_taken_by_its_owner_is_shown_busy() {
+    let net = TestNet::start(TestNetConfig::new(vec![
+        Some("2xA100-80GB".into()),
+        Some("1xT4-16GB".into()),
+    ]))
+    .await
+    .expect("start");
+    let client = net.client().await.expect("client");
+    let f = filter(Some("A100"), None, None);
+    let before = TestNet::wait_for_offers(&client.handle, &f, Duration::from_secs(20), |o| o.len() == 1)
+        .await
+        .expect("provider visible");
+    assert!(before[0].gpus.iter().all(|g| g.state == GpuState::Idle));
+    net.nodes[0]
+        .gpus
+        .as_ref()
+        .expect("simulated")
+        .set_owner_process(1, Some(4242), 10 << 30);
+    let after = TestNet::wait_for_offers(&client.handle, &f, Duration::from_secs(20), |o| {
+        o.len() == 1 && o[0].gpus.iter().any(|g| g.state == GpuState::OwnerBusy)
+    })
+    .await
+    .expect("busy state published");
+    assert!(after[0].seq > before[0].seq);
+    assert_eq!(after[0].gpus[0].state, GpuState::Idle);
+    assert_eq!(after[0].gpus[1].state, GpuState::OwnerBusy);
+    // The provider's own status shows the owner's process too.
+    let status = net.nodes[0].handle.status().await.expect("status");
+    assert_eq!(status.inventory.gpus[1].processes[0].pid, 4242);
+    net.shutdown().await;
+}

@@ -1,0 +1,169 @@
+//! Peers that are not gpunode nodes, or that lie: a standard libp2p peer gets identify and
+//! ping answers; forged, oversized and garbage records pushed into the DHT are refused,
+//! counted in /metrics, and the node keeps serving.
+
+use std::time::Duration;
+
+use futures::StreamExt;
+use gpunode_protocol::advert::{advert_record_key, Advert, AdvertGpu, OfferFilter, ADVERT_VERSION};
+use gpunode_protocol::gpu::GpuState;
+use gpunode_protocol::time::now_ms;
+use libp2p::kad::{self, store::MemoryStore, Quorum, Record, RecordKey};
+use libp2p::swarm::{NetworkBehaviour, SwarmEvent};
+use libp2p::{identify, identity, noise, ping, tcp, yamux, Multiaddr, PeerId, StreamProtocol};
+use testnet::{TestNet, TestNetConfig, Transport};
+
+#[derive(NetworkBehaviour)]
+struct Plain {
+    identify: identify::Behaviour,
+    ping: ping::Behaviour,
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn standard_libp2p_peer_gets_identify_and_ping_over_tcp() {
+    let mut config = TestNetConfig::new(vec![Some("1xT4-16GB".into())]);
+    config.transport = Transport::Tcp;
+    let net = TestNet::start(config).await.expect("start");
+    let target: Multiaddr = net.nodes[0].addr.parse().expect("addr");
+    // A plain libp2p peer: TCP + noise + yamux, identify and ping, nothing of gpunode.
+    let mut swarm = libp2p::SwarmBuilder::with_new_identity()
+        .with_tokio()
+        .with_tcp(tcp::Config::default(), noise::Config::new, yamux::Config::default)
+        .expect("tcp")
+        .with_behaviour(|key| Plain {
+            identify: identify::Behaviour::new(identify::Config::new("/ipfs/0.1.0".into(), key.public())),
+            ping: ping::Behaviour::default(),
+        })
+        .expect("behaviour")
+        .build();
+    swarm.dial(target).expect("dial");
+    let mut agent = None;
+    let mut pinged = false;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while agent.is_none() || !pinged {
+        tokio::select! {
+            ev = swarm.select_next_some() => match ev {
+                SwarmEvent::Behaviour(PlainEvent::Identify(identify::Event::Received { info, .. })) => {
+                    agent = Some(info.agent_version.clone());
+                    assert!(info.protocols.iter().any(|p| p.as_ref() == "/gpunode/kad/1.0.0"));
+                }
+                SwarmEvent::Behaviour(PlainEvent::Ping(ping::Event { result: Ok(_), .. })) => pinged = true,
+                _ => {}
+            },
+            _ = tokio::time::sleep_until(deadline) => panic!("no identify/ping answer within 20s"),
+        }
+    }
+    assert!(agent.expect("agent").starts_with("gpunode/"));
+    net.shutdown().await;
+}
+
+#[derive(NetworkBehaviour)]
+struct Attacker {
+    kad: kad::Behaviour<MemoryStore>,
+}
+
+fn forged_advert(claimed: PeerId, signer: &identity::Keypair) -> Vec<u8> {
+    let now = now_ms();
+    Advert {
+        version: ADVERT_VERSION,
+        publisher: claimed,
+        seq: u64::MAX / 2,
+        issued_at_ms: now,
+        expires_at_ms: now + 60_000,
+        gpus: vec![AdvertGpu {
+            index: 0,
+            uuid: "GPU-fake".into(),
+            model: "B200-192GB".into(),
+            memory_bytes: 192 << 30,
+            state: GpuState::Idle,
+            mig_enabled: false,
+            compute_capability: None,
+        }],
+        cpu_cores: 1024,
+        ram_bytes: 1 << 40,
+        backends: vec!["wasm".into()],
+        price_per_gpu_hour_millicredits: 0,
+        listen_addrs: vec![],
+        simulated: false,
+        withdrawn: false,
+    }
+    .sign(signer)
+    .expect("sign")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forged_oversized_and_garbage_records_are_refused_and_counted() {
+    let net = TestNet::start(TestNetConfig::new(vec![
+        Some("1xA100-80GB".into()),
+        Some("1xT4-16GB".into()),
+    ]))
+    .await
+    .expect("start");
+    let victim = net.nodes[1].handle.peer_id();
+    let target = &net.nodes[0];
+    let target_addr: Multiaddr = target.addr.parse().expect("addr");
+
+    let key = identity::Keypair::generate_ed25519();
+    let me = key.public().to_peer_id();
+    let mut swarm = libp2p::SwarmBuilder::with_existing_identity(key.clone())
+        .with_tokio()
+        .with_quic()
+        .with_behaviour(|_| {
+            let mut cfg = kad::Config::new(StreamProtocol::new("/gpunode/kad/1.0.0"));
+            cfg.set_max_packet_size(256 * 1024);
+            let mut kad = kad::Behaviour::with_config(me, MemoryStore::new(me), cfg);
+            kad.set_mode(Some(kad::Mode::Client));
+            Attacker { kad }
+        })
+        .expect("behaviour")
+        .build();
+    let mut plain_target = target_addr.clone();
+    plain_target.pop();
+    swarm.behaviour_mut().kad.add_address(&target.handle.peer_id(), plain_target);
+    let peers = vec![target.handle.peer_id()];
+    let records = vec![
+        // Signed by the attacker but claiming to be the victim.
+        Record::new(RecordKey::new(&advert_record_key(&victim)), forged_advert(victim, &key)),
+        // Bigger than any advert may be.
+        Record::new(RecordKey::new(&advert_record_key(&me)), vec![7u8; 40 * 1024]),
+        // Garbage.
+        Record::new(RecordKey::new(&advert_record_key(&me)), b"not an advert".to_vec()),
+        // A key that is not an advert key at all.
+        Record::new(RecordKey::new(b"/something/else"), b"x".to_vec()),
+    ];
+    for r in records {
+        swarm.behaviour_mut().kad.put_record_to(r, peers.clone().into_iter(), Quorum::One);
+    }
+    let metrics = target.handle.metrics().clone();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let done = metrics.rejected_count("wrong_key") >= 1
+            && metrics.rejected_count("oversized") >= 1
+            && metrics.rejected_count("malformed") >= 1
+            && metrics.rejected_count("unknown_key") >= 1;
+        if done {
+            break;
+        }
+        tokio::select! {
+            _ = swarm.select_next_some() => {}
+            _ = tokio::time::sleep(Duration::from_millis(20)) => {}
+        }
+        assert!(tokio::time::Instant::now() < deadline, "rejections not counted: {}", metrics.encode());
+    }
+    let text = metrics.encode();
+    assert!(text.contains("gpunode_adverts_rejected_total{reason=\"wrong_key\"}"), "{text}");
+    // The node still serves, and the victim's real advert is what clients see.
+    let client = net.client().await.expect("client");
+    let offers = TestNet::wait_for_offers(
+        &client.handle,
+        &OfferFilter::default(),
+        Duration::from_secs(20),
+        |o| o.len() == 2,
+    )
+    .await
+    .expect("honest offers still served");
+    let v = offers.iter().find(|o| o.peer_id == victim.to_string()).expect("victim listed");
+    assert_eq!(v.gpus[0].model, "T4-16GB");
+    assert!(!offers.iter().any(|o| o.gpus.iter().any(|g| g.model.starts_with("B200"))));
+    net.shutdown().await;
+}
