@@ -14,7 +14,12 @@ use gpunode_protocol::advert::OfferFilter;
 use gpunode_protocol::units::{parse_bytes, parse_duration};
 
 use crate::output;
-use crate::{Cli, Command, NetworkArgs, OffersArgs, ServeArgs, StatusArgs};
+use crate::{
+    Cli, Command, LeaseCancelArgs, LeaseCommand, LeaseRenewArgs, LeaseRequestArgs, LeasesArgs,
+    NetworkArgs, OffersArgs, ServeArgs, StatusArgs,
+};
+use gpunode_node::api::RenewBody;
+use gpunode_node::{CancelOutcome, LeaseSpec, LeaseView, NodeHandle};
 
 pub async fn run(cli: Cli) -> Result<ExitCode> {
     let data_dir = match &cli.data_dir {
@@ -26,6 +31,10 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
         Command::Serve(args) => serve(data_dir, config, args).await,
         Command::Offers(args) => offers(data_dir, config, args).await,
         Command::Status(args) => status(data_dir, args).await,
+        Command::Lease(LeaseCommand::Request(args)) => lease_request(data_dir, config, args).await,
+        Command::Lease(LeaseCommand::Renew(args)) => lease_renew(data_dir, config, args).await,
+        Command::Lease(LeaseCommand::Cancel(args)) => lease_cancel(data_dir, config, args).await,
+        Command::Leases(args) => leases(data_dir, config, args).await,
         Command::Id => {
             let key = data_dir.load_or_create_identity()?;
             println!("{}", key.public().to_peer_id());
@@ -153,8 +162,6 @@ fn offer_filter(args: &OffersArgs) -> Result<OfferFilter> {
 
 async fn offers(data_dir: DataDir, mut config: NodeConfig, args: OffersArgs) -> Result<ExitCode> {
     let filter = offer_filter(&args)?;
-    let discover_for = parse_duration(&args.discover_for)
-        .map_err(|e| anyhow::anyhow!("invalid --discover-for: {e}"))?;
     let client = ApiClient::new(&data_dir.api_socket());
     let offers: Vec<OfferView> = if client.is_running().await {
         let q = OffersQuery {
@@ -166,14 +173,10 @@ async fn offers(data_dir: DataDir, mut config: NodeConfig, args: OffersArgs) -> 
         let query = serde_urlencoded_query(&q);
         client.get_json(&format!("/v1/offers{query}")).await?
     } else {
-        apply_network_args(&mut config, &args.net)?;
-        init_logging("warn");
-        if config.bootstrap.is_empty() && !config.mdns {
-            anyhow::bail!(
-                "no daemon is running and there is no way to find peers: pass --bootstrap MULTIADDR or enable mDNS"
-            );
-        }
-        query_with_client_node(data_dir, config, filter, discover_for).await?
+        let node = ClientNode::start(data_dir, &mut config, &args.net).await?;
+        let offers = node.handle.find_offers(filter).await;
+        node.stop().await;
+        offers?
     };
     let mut out = std::io::stdout().lock();
     if args.json {
@@ -190,7 +193,9 @@ fn serde_urlencoded_query(q: &OffersQuery) -> String {
     let enc = |s: &str| -> String {
         s.bytes()
             .map(|b| match b {
-                b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' => (b as char).to_string(),
+                b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' => {
+                    (b as char).to_string()
+                }
                 _ => format!("%{b:02X}"),
             })
             .collect()
@@ -214,32 +219,200 @@ fn serde_urlencoded_query(q: &OffersQuery) -> String {
     }
 }
 
-/// Starts a short-lived client node, waits until it has found peers, asks, and stops.
-async fn query_with_client_node(
-    data_dir: DataDir,
-    config: NodeConfig,
-    filter: OfferFilter,
-    discover_for: Duration,
-) -> Result<Vec<OfferView>> {
-    let mut opts = NodeOptions::new(config, data_dir, Role::Client);
-    opts.serve_api = false;
-    opts.inventory = Some(Arc::new(gpunode_node::inventory::NoGpus));
-    let node = Node::start(opts).await.context("cannot start a client node")?;
-    let handle = node.handle();
-    // Wait until a peer is in the routing table (or the discovery time is up), then
-    // give the routing table a moment to fill from the first peers' answers.
-    let found = handle.wait_for_routing(1, discover_for).await.is_ok();
-    if found {
-        tokio::time::sleep(Duration::from_millis(300)).await;
+/// A short-lived node for commands run without a daemon: same identity and store as
+/// the daemon would use (the store lock keeps one owner), advertises nothing.
+struct ClientNode {
+    node: Node,
+    handle: NodeHandle,
+}
+
+impl ClientNode {
+    async fn start(
+        data_dir: DataDir,
+        config: &mut NodeConfig,
+        net: &NetworkArgs,
+    ) -> Result<ClientNode> {
+        apply_network_args(config, net)?;
+        let discover_for = parse_duration(&net.discover_for)
+            .map_err(|e| anyhow::anyhow!("invalid --discover-for: {e}"))?;
+        init_logging("warn");
+        if config.bootstrap.is_empty() && !config.mdns {
+            anyhow::bail!(
+                "no daemon is running and there is no way to find peers: pass --bootstrap MULTIADDR or enable mDNS"
+            );
+        }
+        let mut opts = NodeOptions::new(config.clone(), data_dir, Role::Client);
+        opts.serve_api = false;
+        opts.inventory = Some(Arc::new(gpunode_node::inventory::NoGpus));
+        let node = Node::start(opts)
+            .await
+            .context("cannot start a client node")?;
+        let handle = node.handle();
+        // Wait until a peer is in the routing table (or the discovery time is up), then
+        // give the routing table a moment to fill from the first peers' answers.
+        if handle.wait_for_routing(1, discover_for).await.is_ok() {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        } else {
+            eprintln!("warning: found no peers within {discover_for:?}; is any gpunode reachable?");
+        }
+        Ok(ClientNode { node, handle })
     }
-    let offers = if found {
-        handle.find_offers(filter).await?
-    } else {
-        eprintln!("warning: found no peers within {discover_for:?}; is any gpunode reachable?");
-        Vec::new()
+
+    async fn stop(self) {
+        self.node.shutdown().await;
+    }
+}
+
+fn print_json<T: serde::Serialize>(value: &T) -> Result<()> {
+    let mut out = std::io::stdout().lock();
+    serde_json::to_writer_pretty(&mut out, value)?;
+    writeln!(out)?;
+    Ok(())
+}
+
+fn parse_size(flag: &str, v: &str) -> Result<u64> {
+    parse_bytes(v).map_err(|e| anyhow::anyhow!("invalid --{flag}: {e}"))
+}
+
+fn parse_time(flag: &str, v: &str) -> Result<Duration> {
+    parse_duration(v).map_err(|e| anyhow::anyhow!("invalid --{flag}: {e}"))
+}
+
+async fn lease_request(
+    data_dir: DataDir,
+    mut config: NodeConfig,
+    args: LeaseRequestArgs,
+) -> Result<ExitCode> {
+    let spec = LeaseSpec {
+        peer: args.peer.clone(),
+        gpus: args.gpus,
+        gpu_model: args.gpu_model.clone(),
+        min_gpu_mem_bytes: args
+            .min_gpu_mem
+            .as_deref()
+            .map(|m| parse_size("min-gpu-mem", m))
+            .transpose()?,
+        cpus: args.cpus,
+        mem_bytes: parse_size("mem", &args.mem)?,
+        backend: args.backend.clone(),
+        duration_ms: parse_time("duration", &args.duration)?.as_millis() as u64,
+        max_price: args.max_price,
     };
-    node.shutdown().await;
-    Ok(offers)
+    if spec.duration_ms == 0 {
+        anyhow::bail!("invalid --duration: a lease must last longer than 0");
+    }
+    let client = ApiClient::new(&data_dir.api_socket());
+    let view: LeaseView = if client.is_running().await {
+        client.post_json("/v1/leases", &spec).await?
+    } else {
+        let node = ClientNode::start(data_dir, &mut config, &args.net).await?;
+        let r = node.handle.request_lease(spec).await;
+        node.stop().await;
+        r?
+    };
+    if args.json {
+        print_json(&view)?;
+    } else {
+        output::print_lease(&mut std::io::stdout().lock(), &view)?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn lease_renew(
+    data_dir: DataDir,
+    mut config: NodeConfig,
+    args: LeaseRenewArgs,
+) -> Result<ExitCode> {
+    let extend = parse_time("for", &args.extend)?;
+    let client = ApiClient::new(&data_dir.api_socket());
+    let view: LeaseView = if client.is_running().await {
+        let body = RenewBody {
+            extend_ms: extend.as_millis() as u64,
+        };
+        client
+            .post_json(
+                &format!("/v1/leases/{}/renew", url_segment(&args.id)),
+                &body,
+            )
+            .await?
+    } else {
+        let node = ClientNode::start(data_dir, &mut config, &args.net).await?;
+        let r = node.handle.renew_lease(&args.id, extend).await;
+        node.stop().await;
+        r?
+    };
+    if args.json {
+        print_json(&view)?;
+    } else {
+        output::print_lease(&mut std::io::stdout().lock(), &view)?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn lease_cancel(
+    data_dir: DataDir,
+    mut config: NodeConfig,
+    args: LeaseCancelArgs,
+) -> Result<ExitCode> {
+    let client = ApiClient::new(&data_dir.api_socket());
+    let outcome: CancelOutcome = if client.is_running().await {
+        client
+            .post_json(
+                &format!("/v1/leases/{}/cancel", url_segment(&args.id)),
+                &serde_json::json!({}),
+            )
+            .await?
+    } else {
+        let node = ClientNode::start(data_dir, &mut config, &args.net).await?;
+        let r = node.handle.cancel_lease(&args.id).await;
+        node.stop().await;
+        r?
+    };
+    if args.json {
+        print_json(&outcome)?;
+    } else {
+        println!(
+            "Lease {} cancelled; its resources are released.",
+            outcome.lease.lease_id
+        );
+        match (&outcome.peer_notified, &outcome.peer_error) {
+            (true, _) => println!("The other party acknowledged the cancellation."),
+            (false, Some(e)) => println!("The other party was not notified: {e}"),
+            (false, None) => println!("The other party was not notified."),
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn leases(data_dir: DataDir, config: NodeConfig, args: LeasesArgs) -> Result<ExitCode> {
+    let client = ApiClient::new(&data_dir.api_socket());
+    let views: Vec<LeaseView> = if client.is_running().await {
+        client.get_json("/v1/leases").await?
+    } else {
+        // No network needed: read the book from the store through a node that stays offline.
+        let mut config = config;
+        config.bootstrap.clear();
+        config.mdns = false;
+        let mut opts = NodeOptions::new(config, data_dir, Role::Client);
+        opts.serve_api = false;
+        opts.inventory = Some(Arc::new(gpunode_node::inventory::NoGpus));
+        let node = Node::start(opts)
+            .await
+            .context("cannot open this node's store")?;
+        let r = node.handle().list_leases().await;
+        node.shutdown().await;
+        r?
+    };
+    if args.json {
+        print_json(&views)?;
+    } else {
+        output::print_leases(&mut std::io::stdout().lock(), &views)?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn url_segment(id: &str) -> String {
+    id.chars().filter(|c| c.is_ascii_alphanumeric()).collect()
 }
 
 async fn status(data_dir: DataDir, args: StatusArgs) -> Result<ExitCode> {

@@ -38,6 +38,89 @@ enum Command {
     Status(StatusArgs),
     /// Print this node's peer id (creating the identity on first use).
     Id,
+    /// Negotiate, renew or cancel a GPU lease.
+    #[command(subcommand)]
+    Lease(LeaseCommand),
+    /// List leases on this node, as provider and as requester.
+    Leases(LeasesArgs),
+}
+
+#[derive(Debug, Subcommand)]
+enum LeaseCommand {
+    /// Find a provider (or ask --peer), negotiate a signed lease and print it.
+    Request(LeaseRequestArgs),
+    /// Extend an active lease you hold.
+    Renew(LeaseRenewArgs),
+    /// End a lease now (either side); its resources are released at once.
+    Cancel(LeaseCancelArgs),
+}
+
+#[derive(Debug, Args)]
+struct LeaseRequestArgs {
+    #[command(flatten)]
+    net: NetworkArgs,
+    /// Ask this provider only (peer id).
+    #[arg(long, value_name = "PEER")]
+    peer: Option<String>,
+    /// Number of GPUs.
+    #[arg(long, default_value_t = 1)]
+    gpus: u32,
+    /// GPU model or family, e.g. A100.
+    #[arg(long, value_name = "MODEL")]
+    gpu_model: Option<String>,
+    /// Least memory per GPU, e.g. 24G.
+    #[arg(long, value_name = "SIZE")]
+    min_gpu_mem: Option<String>,
+    /// CPU cores.
+    #[arg(long, default_value_t = 1)]
+    cpus: u32,
+    /// RAM, e.g. 16G.
+    #[arg(long, value_name = "SIZE", default_value = "1G")]
+    mem: String,
+    /// How long, e.g. 30m.
+    #[arg(long, value_name = "DURATION")]
+    duration: String,
+    /// Highest acceptable price, credits per GPU-hour.
+    #[arg(long, value_name = "CREDITS")]
+    max_price: Option<f64>,
+    /// Executor: wasm or container.
+    #[arg(long, default_value = "wasm")]
+    backend: String,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, Args)]
+struct LeaseRenewArgs {
+    #[command(flatten)]
+    net: NetworkArgs,
+    /// Lease id (or a unique prefix of at least 4 hex digits).
+    id: String,
+    /// How much longer, e.g. 30m.
+    #[arg(long = "for", value_name = "DURATION")]
+    extend: String,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, Args)]
+struct LeaseCancelArgs {
+    #[command(flatten)]
+    net: NetworkArgs,
+    /// Lease id (or a unique prefix of at least 4 hex digits).
+    id: String,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, Args)]
+struct LeasesArgs {
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
 }
 
 /// Network flags shared by commands that start a node.
@@ -49,6 +132,9 @@ struct NetworkArgs {
     /// Do not look for peers on the local network by mDNS.
     #[arg(long)]
     no_mdns: bool,
+    /// Without a daemon: how long to look for peers before asking, e.g. 5s.
+    #[arg(long, value_name = "DURATION", default_value = "5s")]
+    discover_for: String,
 }
 
 #[derive(Debug, Args)]
@@ -98,9 +184,6 @@ struct OffersArgs {
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
-    /// Without a daemon: how long to look for peers before asking, e.g. 5s.
-    #[arg(long, value_name = "DURATION", default_value = "5s")]
-    discover_for: String,
 }
 
 #[derive(Debug, Args)]
@@ -112,7 +195,10 @@ struct StatusArgs {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("error: cannot start the async runtime: {e}");

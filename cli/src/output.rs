@@ -34,7 +34,11 @@ fn table(out: &mut impl Write, header: &[&str], rows: &[Vec<String>]) -> io::Res
             .trim_end()
             .to_string()
     };
-    writeln!(out, "{}", line(header.iter().map(|s| s.to_string()).collect()))?;
+    writeln!(
+        out,
+        "{}",
+        line(header.iter().map(|s| s.to_string()).collect())
+    )?;
     for row in rows {
         writeln!(out, "{}", line(row.clone()))?;
     }
@@ -91,7 +95,16 @@ pub fn print_offers(out: &mut impl Write, offers: &[OfferView]) -> io::Result<()
         .collect();
     table(
         out,
-        &["PEER", "GPUS", "CPUS", "RAM", "BACKENDS", "PRICE/GPU-H", "KIND", "AGE"],
+        &[
+            "PEER",
+            "GPUS",
+            "CPUS",
+            "RAM",
+            "BACKENDS",
+            "PRICE/GPU-H",
+            "KIND",
+            "AGE",
+        ],
         &rows,
     )
 }
@@ -130,7 +143,10 @@ pub fn print_status(out: &mut impl Write, s: &NodeStatus) -> io::Result<()> {
     let kind = if inv.simulated() {
         "simulated".to_string()
     } else {
-        format!("driver {}", inv.driver_version.as_deref().unwrap_or("unknown"))
+        format!(
+            "driver {}",
+            inv.driver_version.as_deref().unwrap_or("unknown")
+        )
     };
     writeln!(out, "GPUs ({kind}):")?;
     let rows: Vec<Vec<String>> = inv
@@ -171,7 +187,136 @@ pub fn print_status(out: &mut impl Write, s: &NodeStatus) -> io::Result<()> {
         .collect();
     table(
         out,
-        &["IDX", "NAME", "UUID", "MEMORY", "UTIL", "MIG", "CC", "STATE", "PIDS"],
+        &[
+            "IDX", "NAME", "UUID", "MEMORY", "UTIL", "MIG", "CC", "STATE", "PIDS",
+        ],
+        &rows,
+    )
+}
+
+/// `2026-11-30 10:50:01 UTC` from unix milliseconds.
+pub fn format_utc(ms: u64) -> String {
+    let secs = ms / 1000;
+    let days = (secs / 86_400) as i64;
+    let rem = secs % 86_400;
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02} UTC",
+        rem / 3600,
+        (rem % 3600) / 60,
+        rem % 60
+    )
+}
+
+fn gpus_of(v: &gpunode_node::LeaseView) -> String {
+    if v.gpus.is_empty() {
+        return "none".to_string();
+    }
+    v.gpus
+        .iter()
+        .map(|g| format!("{} ({}, {})", g.uuid, g.model, format_bytes(g.memory_bytes)))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// One lease in full.
+pub fn print_lease(out: &mut impl Write, v: &gpunode_node::LeaseView) -> io::Result<()> {
+    let now = now_ms();
+    let role = match v.role {
+        gpunode_node::lease::LeaseRole::Provider => "you are the provider",
+        gpunode_node::lease::LeaseRole::Requester => "you are the requester",
+    };
+    writeln!(out, "Lease {}  ({}, {role})", v.lease_id, v.state.label())?;
+    writeln!(out, "  provider    {}", v.provider)?;
+    writeln!(out, "  requester   {}", v.requester)?;
+    writeln!(out, "  GPUs        {}", gpus_of(v))?;
+    writeln!(
+        out,
+        "  CPUs, RAM   {}, {}",
+        v.cpus,
+        format_bytes(v.mem_bytes)
+    )?;
+    writeln!(out, "  backend     {}", v.backend)?;
+    writeln!(out, "  start       {}", format_utc(v.start_ms))?;
+    let left = if v.end_ms > now {
+        format!(
+            " (in {})",
+            format_age(Duration::from_millis(v.end_ms - now))
+        )
+    } else {
+        String::new()
+    };
+    writeln!(out, "  end         {}{left}", format_utc(v.end_ms))?;
+    if v.renewals > 0 {
+        writeln!(out, "  renewals    {}", v.renewals)?;
+    }
+    writeln!(
+        out,
+        "  price       {:.2} credits per GPU-hour, at most {:.3} credits",
+        v.price_per_gpu_hour, v.max_amount
+    )?;
+    writeln!(
+        out,
+        "  signatures  provider {}, requester {}",
+        v.provider_signature, v.requester_signature
+    )
+}
+
+/// The `gpunode leases` table.
+pub fn print_leases(out: &mut impl Write, leases: &[gpunode_node::LeaseView]) -> io::Result<()> {
+    if leases.is_empty() {
+        return writeln!(out, "No leases on this node.");
+    }
+    let now = now_ms();
+    let rows: Vec<Vec<String>> = leases
+        .iter()
+        .map(|v| {
+            let (role, peer) = match v.role {
+                gpunode_node::lease::LeaseRole::Provider => ("provider", &v.requester),
+                gpunode_node::lease::LeaseRole::Requester => ("requester", &v.provider),
+            };
+            let ends = if v.end_ms > now {
+                format!("in {}", format_age(Duration::from_millis(v.end_ms - now)))
+            } else {
+                format!("{} ago", format_age(Duration::from_millis(now - v.end_ms)))
+            };
+            let gpus = match v.gpus.first() {
+                Some(g) => format!("{}x {}", v.gpus.len(), g.model),
+                None => "-".to_string(),
+            };
+            vec![
+                v.lease_id[..12].to_string(),
+                role.to_string(),
+                short_peer(peer),
+                gpus,
+                v.state.label().to_string(),
+                format_utc(v.start_ms),
+                ends,
+                format!("{:.2}", v.price_per_gpu_hour),
+            ]
+        })
+        .collect();
+    table(
+        out,
+        &[
+            "ID",
+            "ROLE",
+            "PEER",
+            "GPUS",
+            "STATE",
+            "START",
+            "ENDS",
+            "PRICE/GPU-H",
+        ],
         &rows,
     )
 }

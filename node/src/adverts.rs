@@ -66,6 +66,13 @@ impl AdvertBook {
     }
 }
 
+impl AdvertBook {
+    /// The newest valid advert seen from `publisher`, if it has not expired.
+    pub fn latest(&self, publisher: &PeerId, now: UnixMillis) -> Option<&Advert> {
+        self.latest.get(publisher).filter(|a| a.expires_at_ms > now)
+    }
+}
+
 /// What this node offers, from its inventory and configuration.
 #[derive(Debug, Clone)]
 pub struct LocalOffer {
@@ -84,19 +91,16 @@ impl LocalOffer {
     pub fn advert(
         &self,
         publisher: PeerId,
-        seq: u64,
-        now: UnixMillis,
-        ttl_ms: u64,
+        stamp: &AdvertStamp,
         inventory: &InventorySnapshot,
         listen_addrs: Vec<String>,
-        withdrawn: bool,
     ) -> Advert {
         Advert {
             version: ADVERT_VERSION,
             publisher,
-            seq,
-            issued_at_ms: now,
-            expires_at_ms: now + ttl_ms,
+            seq: stamp.seq,
+            issued_at_ms: stamp.issued_at_ms,
+            expires_at_ms: stamp.issued_at_ms + stamp.ttl_ms,
             gpus: inventory
                 .gpus
                 .iter()
@@ -116,9 +120,22 @@ impl LocalOffer {
             price_per_gpu_hour_millicredits: self.price_per_gpu_hour_millicredits,
             listen_addrs,
             simulated: inventory.simulated(),
-            withdrawn,
+            withdrawn: stamp.withdrawn,
         }
     }
+}
+
+/// When and in what order an advert is issued.
+#[derive(Debug, Clone, Copy)]
+pub struct AdvertStamp {
+    /// Sequence number.
+    pub seq: u64,
+    /// Signing time.
+    pub issued_at_ms: UnixMillis,
+    /// Lifetime.
+    pub ttl_ms: u64,
+    /// A withdrawal rather than an offer.
+    pub withdrawn: bool,
 }
 
 #[cfg(test)]
@@ -139,7 +156,17 @@ mod tests {
             source: "none".into(),
         };
         offer
-            .advert(key.public().to_peer_id(), seq, now, 60_000, &inv, vec![], false)
+            .advert(
+                key.public().to_peer_id(),
+                &AdvertStamp {
+                    seq,
+                    issued_at_ms: now,
+                    ttl_ms: 60_000,
+                    withdrawn: false,
+                },
+                &inv,
+                vec![],
+            )
             .sign(key)
             .expect("sign")
     }
@@ -160,6 +187,8 @@ mod tests {
         assert!(book.accept(&advert(&k, 6, now), &p, now).is_ok());
         assert!(book.accept(b"junk", &p, now).is_err());
         assert_eq!(metrics.rejected_count("malformed"), 1);
-        assert!(metrics.encode().contains("gpunode_adverts_rejected_total{reason=\"stale\"} 1"));
+        assert!(metrics
+            .encode()
+            .contains("gpunode_adverts_rejected_total{reason=\"stale\"} 1"));
     }
 }

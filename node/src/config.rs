@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use gpunode_protocol::units::{parse_bytes, parse_duration};
-use libp2p::Multiaddr;
+use libp2p::{Multiaddr, PeerId};
 use serde::{Deserialize, Deserializer};
 
 /// Default port for TCP and QUIC.
@@ -76,6 +76,20 @@ pub struct NodeConfig {
     pub metrics_addr: Option<SocketAddr>,
     /// Log filter (`info`, `debug`, `gpunode_node=debug`, ...).
     pub log: String,
+    /// Longest lease this node grants, renewals included.
+    #[serde(deserialize_with = "de_duration")]
+    pub max_lease_duration: Duration,
+    /// How long an offer holds resources waiting for the requester's accept.
+    #[serde(deserialize_with = "de_duration")]
+    pub offer_window: Duration,
+    /// Most GPUs one peer may hold at once (default: no limit).
+    pub max_gpus_per_peer: Option<u32>,
+    /// When not empty, only these peer ids may lease.
+    #[serde(deserialize_with = "de_peers")]
+    pub allow_peers: Vec<PeerId>,
+    /// These peer ids may never lease.
+    #[serde(deserialize_with = "de_peers")]
+    pub deny_peers: Vec<PeerId>,
 }
 
 impl Default for NodeConfig {
@@ -101,6 +115,11 @@ impl Default for NodeConfig {
             idle_connection_timeout: Duration::from_secs(120),
             metrics_addr: None,
             log: "info".to_string(),
+            max_lease_duration: Duration::from_secs(24 * 3600),
+            offer_window: Duration::from_secs(10),
+            max_gpus_per_peer: None,
+            allow_peers: Vec::new(),
+            deny_peers: Vec::new(),
         }
     }
 }
@@ -139,9 +158,22 @@ impl NodeConfig {
                 self.price_per_gpu_hour
             )));
         }
-        if self.advert_ttl < Duration::from_secs(1) || self.advert_ttl > Duration::from_secs(86_400) {
+        if self.advert_ttl < Duration::from_secs(1) || self.advert_ttl > Duration::from_secs(86_400)
+        {
             return Err(ConfigError::Invalid(
                 "advert_ttl must be between 1s and 24h".to_string(),
+            ));
+        }
+        if self.offer_window < Duration::from_millis(100)
+            || self.offer_window > Duration::from_secs(600)
+        {
+            return Err(ConfigError::Invalid(
+                "offer_window must be between 100ms and 10m".to_string(),
+            ));
+        }
+        if self.max_lease_duration < Duration::from_secs(1) {
+            return Err(ConfigError::Invalid(
+                "max_lease_duration must be at least 1s".to_string(),
             ));
         }
         if self.inventory_poll < Duration::from_millis(10) {
@@ -199,6 +231,20 @@ fn de_multiaddrs<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Multiaddr>, D::E
         .collect()
 }
 
+fn de_peers<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<PeerId>, D::Error> {
+    let texts = Vec::<String>::deserialize(d)?;
+    texts
+        .iter()
+        .map(|t| {
+            t.trim().parse::<PeerId>().map_err(|_| {
+                serde::de::Error::custom(format!(
+                    "'{t}' is not a peer id (as `gpunode id` prints, 12D3KooW...)"
+                ))
+            })
+        })
+        .collect()
+}
+
 fn de_duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
     let text = String::deserialize(d)?;
     parse_duration(&text).map_err(serde::de::Error::custom)
@@ -206,7 +252,9 @@ fn de_duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
 
 fn de_opt_bytes<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
     let text = String::deserialize(d)?;
-    parse_bytes(&text).map(Some).map_err(serde::de::Error::custom)
+    parse_bytes(&text)
+        .map(Some)
+        .map_err(serde::de::Error::custom)
 }
 
 #[cfg(test)]
@@ -244,11 +292,21 @@ mod tests {
 
     #[test]
     fn bad_values_are_refused() {
-        assert!(NodeConfig::parse("bootstrap = [\"not-an-addr\"]").unwrap_err().contains("multiaddr"));
-        assert!(NodeConfig::parse("simulate_gpus = \"2xA100\"").unwrap_err().contains("memory"));
-        assert!(NodeConfig::parse("backends = [\"docker\"]").unwrap_err().contains("unknown backend"));
+        assert!(NodeConfig::parse("bootstrap = [\"not-an-addr\"]")
+            .unwrap_err()
+            .contains("multiaddr"));
+        assert!(NodeConfig::parse("simulate_gpus = \"2xA100\"")
+            .unwrap_err()
+            .contains("memory"));
+        assert!(NodeConfig::parse("backends = [\"docker\"]")
+            .unwrap_err()
+            .contains("unknown backend"));
         assert!(NodeConfig::parse("price_per_gpu_hour = -1.0").is_err());
         assert!(NodeConfig::parse("metrics_addr = \"0.0.0.0:9000\"").is_err());
+        assert!(NodeConfig::parse("deny_peers = [\"bob\"]")
+            .unwrap_err()
+            .contains("peer id"));
+        assert!(NodeConfig::parse("offer_window = \"1h\"").is_err());
     }
 
     #[test]

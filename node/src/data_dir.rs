@@ -65,7 +65,8 @@ impl DataDir {
 
     /// The default config file (`$XDG_CONFIG_HOME/gpunode/config.toml`).
     pub fn default_config_file() -> Option<PathBuf> {
-        directories::ProjectDirs::from("", "", "gpunode").map(|d| d.config_dir().join("config.toml"))
+        directories::ProjectDirs::from("", "", "gpunode")
+            .map(|d| d.config_dir().join("config.toml"))
     }
 
     /// The directory itself.
@@ -106,12 +107,12 @@ impl DataDir {
         self.ensure()?;
         let path = self.identity_file();
         match fs::read(&path) {
-            Ok(bytes) => Keypair::from_protobuf_encoding(&bytes).map_err(|e| {
-                DataDirError::KeyCorrupt {
+            Ok(bytes) => {
+                Keypair::from_protobuf_encoding(&bytes).map_err(|e| DataDirError::KeyCorrupt {
                     path: path.clone(),
                     reason: e.to_string(),
-                }
-            }),
+                })
+            }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => self.create_identity(&path),
             Err(source) => Err(DataDirError::KeyUnreadable { path, source }),
         }
@@ -170,7 +171,10 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let dd = DataDir::new(dir.path().join("d"));
         let k1 = dd.load_or_create_identity().expect("create");
-        let mode = fs::metadata(dd.identity_file()).expect("meta").permissions().mode();
+        let mode = fs::metadata(dd.identity_file())
+            .expect("meta")
+            .permissions()
+            .mode();
         assert_eq!(mode & 0o777, 0o600);
         let k2 = dd.load_or_create_identity().expect("load");
         assert_eq!(k1.public().to_peer_id(), k2.public().to_peer_id());
@@ -182,7 +186,10 @@ mod tests {
         let dd = DataDir::new(dir.path());
         fs::write(dd.identity_file(), b"not a key").expect("write");
         let err = dd.load_or_create_identity().unwrap_err().to_string();
-        assert!(err.contains("identity.key") && err.contains("corrupt"), "{err}");
+        assert!(
+            err.contains("identity.key") && err.contains("corrupt"),
+            "{err}"
+        );
         assert_eq!(fs::read(dd.identity_file()).expect("read"), b"not a key");
     }
 }

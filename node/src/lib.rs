@@ -14,6 +14,7 @@ pub mod config;
 pub mod data_dir;
 mod event_loop;
 pub mod inventory;
+pub mod lease;
 pub mod metrics;
 pub mod network;
 pub mod store;
@@ -31,9 +32,10 @@ pub use config::NodeConfig;
 pub use data_dir::DataDir;
 use event_loop::{Command, EventLoop, LoopParts};
 use inventory::{GpuInventory, InventorySnapshot};
+pub use lease::negotiate::LeaseError;
 pub use metrics::Metrics;
 use store::Store;
-pub use views::{NodeStatus, OfferSearch, OfferView};
+pub use views::{CancelOutcome, LeaseSpec, LeaseView, NodeStatus, OfferSearch, OfferView};
 
 /// Whether a node lends resources or only looks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -112,6 +114,7 @@ pub enum NodeError {
 #[derive(Clone, Debug)]
 pub struct NodeHandle {
     peer_id: PeerId,
+    keypair: libp2p::identity::Keypair,
     commands: mpsc::Sender<Command>,
     metrics: Arc<Metrics>,
 }
@@ -127,7 +130,10 @@ impl NodeHandle {
         &self.metrics
     }
 
-    async fn ask<T>(&self, make: impl FnOnce(oneshot::Sender<T>) -> Command) -> Result<T, NodeError> {
+    async fn ask<T>(
+        &self,
+        make: impl FnOnce(oneshot::Sender<T>) -> Command,
+    ) -> Result<T, NodeError> {
         let (tx, rx) = oneshot::channel();
         self.commands
             .send(make(tx))
@@ -148,7 +154,8 @@ impl NodeHandle {
 
     /// Like [`NodeHandle::find_offers`], with the number of providers and DHT requests.
     pub async fn search_offers(&self, filter: OfferFilter) -> Result<OfferSearch, NodeError> {
-        self.ask(|reply| Command::FindOffers { filter, reply }).await
+        self.ask(|reply| Command::FindOffers { filter, reply })
+            .await
     }
 
     /// Asks the node to withdraw its advert, flush and stop.
@@ -219,16 +226,19 @@ impl Node {
             config.listen.clone()
         };
         for addr in &listen {
-            swarm.listen_on(addr.clone()).map_err(|e| NodeError::Listen {
-                addr: addr.to_string(),
-                reason: listen_error_reason(&e),
-            })?;
+            swarm
+                .listen_on(addr.clone())
+                .map_err(|e| NodeError::Listen {
+                    addr: addr.to_string(),
+                    reason: listen_error_reason(&e),
+                })?;
         }
 
         let metrics = Metrics::new();
         let (commands_tx, commands_rx) = mpsc::channel(64);
         let handle = NodeHandle {
             peer_id,
+            keypair: keypair.clone(),
             commands: commands_tx,
             metrics: metrics.clone(),
         };
@@ -236,16 +246,25 @@ impl Node {
         let mut tasks = Vec::new();
         if opts.serve_api {
             let listener = api::bind_socket(&opts.data_dir.api_socket())?;
-            tasks.push(tokio::spawn(api::serve_unix(listener, handle.clone(), stop_rx.clone())));
+            tasks.push(tokio::spawn(api::serve_unix(
+                listener,
+                handle.clone(),
+                stop_rx.clone(),
+            )));
         }
         if let Some(addr) = config.metrics_addr {
-            let listener = tokio::net::TcpListener::bind(addr)
-                .await
-                .map_err(|e| NodeError::Listen {
-                    addr: addr.to_string(),
-                    reason: e.to_string(),
-                })?;
-            tasks.push(tokio::spawn(api::serve_metrics(listener, metrics.clone(), stop_rx.clone())));
+            let listener =
+                tokio::net::TcpListener::bind(addr)
+                    .await
+                    .map_err(|e| NodeError::Listen {
+                        addr: addr.to_string(),
+                        reason: e.to_string(),
+                    })?;
+            tasks.push(tokio::spawn(api::serve_metrics(
+                listener,
+                metrics.clone(),
+                stop_rx.clone(),
+            )));
         }
 
         event_loop::dial_bootstrap(&mut swarm, &config.bootstrap);
@@ -270,6 +289,30 @@ impl Node {
                 config.advert_ttl,
             )
         });
+        let policy = lease::LeasePolicy {
+            max_duration_ms: config.max_lease_duration.as_millis() as u64,
+            price_per_gpu_hour_millicredits: (config.price_per_gpu_hour * 1000.0).round() as u64,
+            backends: config.backends.clone(),
+            max_gpus_per_peer: config.max_gpus_per_peer.unwrap_or(u32::MAX),
+            allow_peers: config.allow_peers.clone(),
+            deny_peers: config.deny_peers.clone(),
+            offer_window_ms: config.offer_window.as_millis() as u64,
+        };
+        let capacity = match &offer {
+            Some((o, _)) => event_loop::capacity_from(&first_snapshot, o.cpu_cores, o.ram_bytes),
+            None => lease::Capacity::default(),
+        };
+        let (stored_leases, stored_nonces) = lease::persist::load(&store)?;
+        let mut leases = lease::LeaseBook::restore(
+            peer_id,
+            policy,
+            capacity,
+            stored_leases,
+            stored_nonces,
+            gpunode_protocol::time::now_ms(),
+        );
+        lease::persist::write_changes(&store, &mut leases)?;
+        store.flush()?;
         let event_loop = EventLoop::new(LoopParts {
             swarm,
             keypair,
@@ -279,6 +322,7 @@ impl Node {
             metrics,
             inventory: first_snapshot,
             offer,
+            leases,
         });
         let event_loop = tokio::spawn(event_loop.run());
         Ok(Node {
@@ -316,7 +360,9 @@ impl Node {
 fn listen_error_reason(e: &libp2p::TransportError<std::io::Error>) -> String {
     match e {
         libp2p::TransportError::MultiaddrNotSupported(a) => {
-            format!("address {a} is not supported (use /ip4/IP/tcp/PORT or /ip4/IP/udp/PORT/quic-v1)")
+            format!(
+                "address {a} is not supported (use /ip4/IP/tcp/PORT or /ip4/IP/udp/PORT/quic-v1)"
+            )
         }
         libp2p::TransportError::Other(io) => io.to_string(),
     }

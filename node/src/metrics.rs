@@ -23,6 +23,14 @@ pub struct Metrics {
     pub adverts_received: Counter,
     /// Adverts refused, by reason (`bad_signature`, `expired`, `stale`, ...).
     pub adverts_rejected: Family<Vec<(String, String)>, Counter>,
+    /// Lease protocol messages received.
+    pub lease_messages: Counter,
+    /// Lease messages refused, by reason (`replay`, `bad_signature`, `no_capacity`, ...).
+    pub leases_rejected: Family<Vec<(String, String)>, Counter>,
+    /// Leases active on this node (either side).
+    pub leases_active: Gauge,
+    /// GPUs this node has lent or holds for an offer.
+    pub leased_gpus: Gauge,
 }
 
 impl Metrics {
@@ -34,18 +42,54 @@ impl Metrics {
         let adverts_published = Counter::default();
         let adverts_received = Counter::default();
         let adverts_rejected = Family::<Vec<(String, String)>, Counter>::default();
-        registry.register("peers_connected", "Peers with an open connection", peers_connected.clone());
+        registry.register(
+            "peers_connected",
+            "Peers with an open connection",
+            peers_connected.clone(),
+        );
         registry.register(
             "routing_table_peers",
             "Peers in the Kademlia routing table",
             routing_table_peers.clone(),
         );
-        registry.register("adverts_published", "Adverts this node published", adverts_published.clone());
-        registry.register("adverts_received", "Valid adverts received from peers", adverts_received.clone());
+        registry.register(
+            "adverts_published",
+            "Adverts this node published",
+            adverts_published.clone(),
+        );
+        registry.register(
+            "adverts_received",
+            "Valid adverts received from peers",
+            adverts_received.clone(),
+        );
         registry.register(
             "adverts_rejected",
             "Adverts refused, by reason",
             adverts_rejected.clone(),
+        );
+        let lease_messages = Counter::default();
+        let leases_rejected = Family::<Vec<(String, String)>, Counter>::default();
+        let leases_active = Gauge::default();
+        let leased_gpus = Gauge::default();
+        registry.register(
+            "lease_messages",
+            "Lease protocol messages received",
+            lease_messages.clone(),
+        );
+        registry.register(
+            "leases_rejected",
+            "Lease messages refused, by reason",
+            leases_rejected.clone(),
+        );
+        registry.register(
+            "leases_active",
+            "Active leases on this node",
+            leases_active.clone(),
+        );
+        registry.register(
+            "leased_gpus",
+            "GPUs lent or held for an offer",
+            leased_gpus.clone(),
         );
         Arc::new(Metrics {
             registry,
@@ -54,6 +98,10 @@ impl Metrics {
             adverts_published,
             adverts_received,
             adverts_rejected,
+            lease_messages,
+            leases_rejected,
+            leases_active,
+            leased_gpus,
         })
     }
 
@@ -62,6 +110,20 @@ impl Metrics {
         self.adverts_rejected
             .get_or_create(&vec![("reason".to_string(), reason.to_string())])
             .inc();
+    }
+
+    /// Counts a refused lease message under `reason`.
+    pub fn lease_rejected(&self, reason: &str) {
+        self.leases_rejected
+            .get_or_create(&vec![("reason".to_string(), reason.to_string())])
+            .inc();
+    }
+
+    /// How many lease messages were refused for `reason`.
+    pub fn lease_rejected_count(&self, reason: &str) -> u64 {
+        self.leases_rejected
+            .get_or_create(&vec![("reason".to_string(), reason.to_string())])
+            .get()
     }
 
     /// How many adverts were refused for `reason`.

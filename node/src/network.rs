@@ -14,7 +14,11 @@ use libp2p::identity::Keypair;
 use libp2p::kad::store::{MemoryStore, MemoryStoreConfig};
 use libp2p::swarm::behaviour::toggle::Toggle;
 use libp2p::swarm::NetworkBehaviour;
-use libp2p::{identify, kad, mdns, noise, ping, tcp, yamux, StreamProtocol, Swarm};
+use libp2p::{
+    identify, kad, mdns, noise, ping, request_response, tcp, yamux, StreamProtocol, Swarm,
+};
+
+use crate::lease::codec::{LeaseCodec, LEASE_PROTOCOL};
 
 /// Kademlia protocol name of the public gpunode network.
 pub const KAD_PROTOCOL: StreamProtocol = StreamProtocol::new("/gpunode/kad/1.0.0");
@@ -37,6 +41,8 @@ pub struct NodeBehaviour {
     pub ping: ping::Behaviour,
     /// LAN discovery, when enabled.
     pub mdns: Toggle<mdns::tokio::Behaviour>,
+    /// Lease negotiation.
+    pub lease: request_response::Behaviour<LeaseCodec>,
 }
 
 /// Settings the swarm is built from.
@@ -53,7 +59,10 @@ pub struct SwarmSettings {
 }
 
 /// Builds the swarm for `key` with every protocol configured.
-pub fn build_swarm(key: Keypair, settings: &SwarmSettings) -> Result<Swarm<NodeBehaviour>, NetworkSetupError> {
+pub fn build_swarm(
+    key: Keypair,
+    settings: &SwarmSettings,
+) -> Result<Swarm<NodeBehaviour>, NetworkSetupError> {
     let err = |e: &dyn std::fmt::Display| NetworkSetupError(e.to_string());
     let swarm = libp2p::SwarmBuilder::with_existing_identity(key)
         .with_tokio()
@@ -96,15 +105,26 @@ pub fn build_swarm(key: Keypair, settings: &SwarmSettings) -> Result<Swarm<NodeB
                     .with_agent_version(format!("gpunode/{}", env!("CARGO_PKG_VERSION"))),
             );
             let mdns = if settings.mdns {
-                Some(mdns::tokio::Behaviour::new(mdns::Config::default(), peer_id)?)
+                Some(mdns::tokio::Behaviour::new(
+                    mdns::Config::default(),
+                    peer_id,
+                )?)
             } else {
                 None
             };
+            let lease = request_response::Behaviour::with_codec(
+                LeaseCodec,
+                [(LEASE_PROTOCOL, request_response::ProtocolSupport::Full)],
+                request_response::Config::default()
+                    .with_request_timeout(Duration::from_secs(10))
+                    .with_max_concurrent_streams(256),
+            );
             Ok(NodeBehaviour {
                 kad,
                 identify,
                 ping: ping::Behaviour::default(),
                 mdns: Toggle::from(mdns),
+                lease,
             })
         })
         .map_err(|e| err(&e))?

@@ -25,6 +25,9 @@ pub enum StoreError {
     },
 }
 
+/// A key and its value.
+pub type Entry = (Vec<u8>, Vec<u8>);
+
 /// A handle to the store; cheap to clone.
 #[derive(Clone)]
 pub struct Store {
@@ -100,6 +103,31 @@ impl Store {
         t.insert(key, value).map_err(|e| self.io(e))?;
         t.flush().map_err(|e| self.io(e))?;
         Ok(())
+    }
+
+    /// Writes a value; durable after the next [`Store::flush`].
+    pub fn put(&self, tree: &str, key: &[u8], value: &[u8]) -> Result<(), StoreError> {
+        let t = self.db.open_tree(tree).map_err(|e| self.io(e))?;
+        t.insert(key, value).map_err(|e| self.io(e))?;
+        Ok(())
+    }
+
+    /// Removes a value; durable after the next [`Store::flush`].
+    pub fn remove(&self, tree: &str, key: &[u8]) -> Result<(), StoreError> {
+        let t = self.db.open_tree(tree).map_err(|e| self.io(e))?;
+        t.remove(key).map_err(|e| self.io(e))?;
+        Ok(())
+    }
+
+    /// Every key and value of a tree, in key order.
+    pub fn scan(&self, tree: &str) -> Result<Vec<Entry>, StoreError> {
+        let t = self.db.open_tree(tree).map_err(|e| self.io(e))?;
+        t.iter()
+            .map(|r| {
+                r.map(|(k, v)| (k.to_vec(), v.to_vec()))
+                    .map_err(|e| self.io(e))
+            })
+            .collect()
     }
 
     /// Atomically increments a big-endian u64 counter, at least to `floor`, flushes,

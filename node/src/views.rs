@@ -98,3 +98,104 @@ pub struct NodeStatus {
     /// Local GPUs.
     pub inventory: InventorySnapshot,
 }
+
+/// A lease as people and scripts see it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LeaseView {
+    /// Identifier, 32 hex digits.
+    pub lease_id: String,
+    /// `provider` or `requester`: our side.
+    pub role: crate::lease::LeaseRole,
+    /// Where it stands.
+    pub state: crate::lease::LeaseState,
+    /// Who lends.
+    pub provider: String,
+    /// Who uses.
+    pub requester: String,
+    /// The exact GPUs.
+    pub gpus: Vec<gpunode_protocol::lease::LeasedGpu>,
+    /// CPU cores.
+    pub cpus: u32,
+    /// RAM, bytes.
+    pub mem_bytes: u64,
+    /// Executor.
+    pub backend: String,
+    /// Start, unix ms.
+    pub start_ms: UnixMillis,
+    /// End (after renewals), unix ms.
+    pub end_ms: UnixMillis,
+    /// Credits per GPU-hour.
+    pub price_per_gpu_hour: f64,
+    /// Most it can cost, credits.
+    pub max_amount: f64,
+    /// Renewals so far.
+    pub renewals: usize,
+    /// `valid` or `invalid`.
+    pub provider_signature: String,
+    /// `valid`, `invalid` or `missing` (offer not accepted).
+    pub requester_signature: String,
+}
+
+impl From<&crate::lease::LeaseRecord> for LeaseView {
+    fn from(r: &crate::lease::LeaseRecord) -> Self {
+        let (p_ok, r_ok) = r.signatures_valid();
+        let t = &r.terms;
+        LeaseView {
+            lease_id: t.lease_id.to_string(),
+            role: r.role,
+            state: r.state,
+            provider: t.provider.to_string(),
+            requester: t.requester.to_string(),
+            gpus: t.gpus.clone(),
+            cpus: t.cpus,
+            mem_bytes: t.mem_bytes,
+            backend: t.backend.clone(),
+            start_ms: t.start_ms,
+            end_ms: t.end_ms,
+            price_per_gpu_hour: t.price_per_gpu_hour_millicredits as f64 / 1000.0,
+            max_amount: t.max_amount_millicredits() as f64 / 1000.0,
+            renewals: r.renewals.len(),
+            provider_signature: if p_ok { "valid" } else { "invalid" }.to_string(),
+            requester_signature: match (&r.requester_sig, r_ok) {
+                (None, _) => "missing",
+                (Some(_), true) => "valid",
+                (Some(_), false) => "invalid",
+            }
+            .to_string(),
+        }
+    }
+}
+
+/// What `gpunode lease request` asks for.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LeaseSpec {
+    /// Ask this provider only (peer id).
+    pub peer: Option<String>,
+    /// Number of GPUs.
+    pub gpus: u32,
+    /// GPU model or family.
+    pub gpu_model: Option<String>,
+    /// Least memory per GPU, bytes.
+    pub min_gpu_mem_bytes: Option<u64>,
+    /// CPU cores.
+    pub cpus: u32,
+    /// RAM, bytes.
+    pub mem_bytes: u64,
+    /// Executor.
+    pub backend: String,
+    /// Length, ms.
+    pub duration_ms: u64,
+    /// Highest acceptable credits per GPU-hour.
+    pub max_price: Option<f64>,
+}
+
+/// The outcome of a cancellation.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CancelOutcome {
+    /// The lease, now cancelled.
+    pub lease: LeaseView,
+    /// Whether the other party acknowledged it.
+    pub peer_notified: bool,
+    /// Why not, if it did not.
+    pub peer_error: Option<String>,
+}

@@ -96,9 +96,9 @@ pub enum AdvertError {
     #[error("advert body names publisher {body} but was signed by {signer}")]
     PublisherMismatch {
         /// Publisher inside the body.
-        body: PeerId,
+        body: Box<PeerId>,
         /// Peer of the signing key.
-        signer: PeerId,
+        signer: Box<PeerId>,
     },
     /// Written by an unknown format version.
     #[error("advert version {0} is not supported (this build reads version {ADVERT_VERSION})")]
@@ -171,7 +171,11 @@ impl Advert {
             return false;
         }
         if let Some(backend) = &filter.backend {
-            if !self.backends.iter().any(|b| b.eq_ignore_ascii_case(backend)) {
+            if !self
+                .backends
+                .iter()
+                .any(|b| b.eq_ignore_ascii_case(backend))
+            {
                 return false;
             }
         }
@@ -259,7 +263,11 @@ pub fn capability_keys(advert: &Advert) -> Vec<Vec<u8>> {
     let mut families: Vec<String> = advert.gpus.iter().map(|g| model_family(&g.model)).collect();
     families.sort();
     families.dedup();
-    keys.extend(families.iter().map(|f| capability_key(&format!("model/{f}"))));
+    keys.extend(
+        families
+            .iter()
+            .map(|f| capability_key(&format!("model/{f}"))),
+    );
     keys.extend(
         advert
             .backends
@@ -284,8 +292,8 @@ pub fn verify_advert(
     }
     if advert.publisher != *claimed {
         return Err(AdvertError::PublisherMismatch {
-            body: advert.publisher,
-            signer: *claimed,
+            body: Box::new(advert.publisher),
+            signer: Box::new(*claimed),
         });
     }
     if advert.expires_at_ms < advert.issued_at_ms
@@ -350,7 +358,8 @@ mod tests {
     fn tampered_field_is_rejected() {
         let k = Keypair::generate_ed25519();
         let a = sample(&k, 1, NOW);
-        let mut signed: SignedAdvert = encoding::decode(&a.sign(&k).expect("sign"), 1 << 20).expect("decode");
+        let mut signed: SignedAdvert =
+            encoding::decode(&a.sign(&k).expect("sign"), 1 << 20).expect("decode");
         let mut body: Advert = encoding::decode(&signed.body, 1 << 20).expect("decode");
         body.price_per_gpu_hour_millicredits = 1;
         signed.body = encoding::encode(&body);

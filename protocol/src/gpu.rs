@@ -68,7 +68,7 @@ pub struct GpuInfo {
 pub fn model_family(name: &str) -> String {
     let upper = name.to_ascii_uppercase();
     let tokens: Vec<&str> = upper
-        .split(|c: char| c == ' ' || c == '-' || c == '_')
+        .split([' ', '-', '_'])
         .filter(|t| !t.is_empty() && !matches!(*t, "NVIDIA" | "TESLA" | "GEFORCE"))
         .collect();
     match tokens.as_slice() {

@@ -7,6 +7,7 @@
 pub mod advert;
 pub mod encoding;
 pub mod gpu;
+pub mod lease;
 pub mod signing;
 pub mod time;
 pub mod units;

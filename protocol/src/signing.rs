@@ -16,9 +16,9 @@ pub enum SignatureError {
     #[error("key belongs to peer {actual}, not to the claimed peer {claimed}")]
     WrongKey {
         /// Peer the message claims to come from.
-        claimed: PeerId,
+        claimed: Box<PeerId>,
         /// Peer the key really belongs to.
-        actual: PeerId,
+        actual: Box<PeerId>,
     },
     /// The signature does not verify over the signed bytes.
     #[error("signature does not verify")]
@@ -48,8 +48,8 @@ pub fn key_of(claimed: &PeerId, public_key: &[u8]) -> Result<PublicKey, Signatur
     let actual = key.to_peer_id();
     if actual != *claimed {
         return Err(SignatureError::WrongKey {
-            claimed: *claimed,
-            actual,
+            claimed: Box::new(*claimed),
+            actual: Box::new(actual),
         });
     }
     Ok(key)

@@ -11,7 +11,8 @@ pub struct UnitError {
     hint: &'static str,
 }
 
-const SIZE_HINT: &str = "use a number with an optional unit K, M, G or T (powers of 1024), e.g. 40G or 512M";
+const SIZE_HINT: &str =
+    "use a number with an optional unit K, M, G or T (powers of 1024), e.g. 40G or 512M";
 const DURATION_HINT: &str =
     "use a number with a unit ms, s, m, h or d, e.g. 30m, 2h or 7d (combine as 1h30m)";
 
@@ -48,7 +49,12 @@ pub fn parse_bytes(input: &str) -> Result<u64, UnitError> {
 
 /// Formats bytes for people: `80G`, `16G`, `512M`.
 pub fn format_bytes(bytes: u64) -> String {
-    const UNITS: [(&str, u64); 4] = [("T", 1 << 40), ("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)];
+    const UNITS: [(&str, u64); 4] = [
+        ("T", 1 << 40),
+        ("G", 1 << 30),
+        ("M", 1 << 20),
+        ("K", 1 << 10),
+    ];
     for (name, size) in UNITS {
         if bytes >= size {
             let v = bytes as f64 / size as f64;
@@ -93,7 +99,9 @@ pub fn parse_duration(input: &str) -> Result<Duration, UnitError> {
             "d" => 86_400_000,
             _ => return Err(err()),
         };
-        total_ms = total_ms.checked_add(n.checked_mul(unit_ms).ok_or_else(err)?).ok_or_else(err)?;
+        total_ms = total_ms
+            .checked_add(n.checked_mul(unit_ms).ok_or_else(err)?)
+            .ok_or_else(err)?;
         rest = &rest[unit_len..];
     }
     u64::try_from(total_ms)

@@ -12,8 +12,18 @@ use crate::{TestNet, TestNetConfig, Transport};
 /// GPU models spread over benchmark networks, so no capability key has more than
 /// Kademlia's 20 providers at 200 nodes (a response carries at most k = 20 providers).
 pub const BENCH_MODELS: [&str; 12] = [
-    "A100-80GB", "H100-80GB", "T4-16GB", "V100-32GB", "L4-24GB", "A10-24GB",
-    "L40S-48GB", "RTX4090-24GB", "P100-16GB", "A6000-48GB", "H200-141GB", "A40-48GB",
+    "A100-80GB",
+    "H100-80GB",
+    "T4-16GB",
+    "V100-32GB",
+    "L4-24GB",
+    "A10-24GB",
+    "L40S-48GB",
+    "RTX4090-24GB",
+    "P100-16GB",
+    "A6000-48GB",
+    "H200-141GB",
+    "A40-48GB",
 ];
 
 /// Result of one `discovery` run.
@@ -63,7 +73,13 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 /// client, then times `lookups` lookups of one model's providers each.
 pub async fn discovery(n: usize, lookups: usize) -> Result<DiscoveryReport> {
     let specs: Vec<Option<String>> = (0..n)
-        .map(|i| Some(format!("{}x{}", 1 + i % 2, BENCH_MODELS[i % BENCH_MODELS.len()])))
+        .map(|i| {
+            Some(format!(
+                "{}x{}",
+                1 + i % 2,
+                BENCH_MODELS[i % BENCH_MODELS.len()]
+            ))
+        })
         .collect();
     let mut expected = [0usize; BENCH_MODELS.len()];
     for i in 0..n {
@@ -84,10 +100,34 @@ pub async fn discovery(n: usize, lookups: usize) -> Result<DiscoveryReport> {
         ..OfferFilter::default()
     };
     for (m, want) in expected.iter().enumerate() {
-        TestNet::wait_for_offers(&client.handle, &filter(m), Duration::from_secs(120), |o| {
-            o.len() >= *want
-        })
-        .await?;
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            let s = client.handle.search_offers(filter(m)).await?;
+            if s.offers.len() >= *want {
+                break;
+            }
+            if Instant::now() > deadline {
+                for (i, node) in net.nodes.iter().enumerate() {
+                    if i % BENCH_MODELS.len() == m {
+                        let st = node.handle.status().await?;
+                        let seen = s.offers.iter().any(|o| o.peer_id == st.peer_id);
+                        eprintln!(
+                            "node {i} seen={seen} table={} connected={} advert={:?}",
+                            st.routing_table_size,
+                            st.connected_peers.len(),
+                            st.advert
+                        );
+                    }
+                }
+                bail!(
+                    "{}: {} of {want} providers visible after 120s ({} provider records found)",
+                    BENCH_MODELS[m],
+                    s.offers.len(),
+                    s.providers
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
     }
     let startup_s = started.elapsed().as_secs_f64();
     let rss_per_node = (rss_bytes().saturating_sub(rss_before)) as f64 / n as f64;

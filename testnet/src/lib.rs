@@ -50,6 +50,8 @@ pub struct TestNetConfig {
     pub ephemeral_store: bool,
     /// Nodes started (and bootstrapped) at a time; bootstrapping all at once is CPU-heavy.
     pub batch: usize,
+    /// Adjusts node `i`'s config before it starts (price, policy, ...).
+    pub tweak: Option<fn(usize, &mut NodeConfig)>,
 }
 
 impl TestNetConfig {
@@ -62,6 +64,7 @@ impl TestNetConfig {
             inventory_poll: Duration::from_millis(100),
             ephemeral_store: false,
             batch: 20,
+            tweak: None,
         }
     }
 }
@@ -97,9 +100,19 @@ impl TestNode {
             node.abort();
         }
     }
+
+    /// Stops the node and hands back its data directory, to start it again later.
+    pub async fn stop_keeping_data(mut self) -> TempDir {
+        self.shutdown().await;
+        self.dir
+    }
 }
 
-fn node_config(cfg: &TestNetConfig, spec: Option<&String>, bootstrap: &[String]) -> Result<NodeConfig> {
+fn node_config(
+    cfg: &TestNetConfig,
+    spec: Option<&String>,
+    bootstrap: &[String],
+) -> Result<NodeConfig> {
     let mut config = NodeConfig {
         mdns: false,
         advert_ttl: cfg.advert_ttl,
@@ -117,11 +130,32 @@ fn node_config(cfg: &TestNetConfig, spec: Option<&String>, bootstrap: &[String])
     Ok(config)
 }
 
-/// Starts one provider node bootstrapped to `bootstrap`.
-pub async fn start_node(cfg: &TestNetConfig, spec: Option<&String>, bootstrap: &[String]) -> Result<TestNode> {
-    let dir = tempfile::Builder::new().prefix("gpunode-testnet").tempdir()?;
+/// Starts provider node number `index` bootstrapped to `bootstrap`.
+pub async fn start_node(
+    cfg: &TestNetConfig,
+    index: usize,
+    spec: Option<&String>,
+    bootstrap: &[String],
+) -> Result<TestNode> {
+    let dir = tempfile::Builder::new()
+        .prefix("gpunode-testnet")
+        .tempdir()?;
+    start_node_in(cfg, index, spec, bootstrap, dir).await
+}
+
+/// Starts provider node number `index` with its data in `dir` (reused across restarts).
+pub async fn start_node_in(
+    cfg: &TestNetConfig,
+    index: usize,
+    spec: Option<&String>,
+    bootstrap: &[String],
+    dir: TempDir,
+) -> Result<TestNode> {
     let data_dir = DataDir::new(dir.path());
-    let config = node_config(cfg, spec, bootstrap)?;
+    let mut config = node_config(cfg, spec, bootstrap)?;
+    if let Some(tweak) = cfg.tweak {
+        tweak(index, &mut config);
+    }
     let peer = data_dir.load_or_create_identity()?.public().to_peer_id();
     let gpus = match spec {
         Some(s) => Some(SimulatedGpus::from_spec(s, &peer.to_string())?),
@@ -171,13 +205,17 @@ impl TestNet {
         let specs = config.gpus.clone();
         let mut iter = specs.iter();
         if let Some(first) = iter.next() {
-            nodes.push(start_node(&config, first.as_ref(), &[]).await?);
+            nodes.push(start_node(&config, 0, first.as_ref(), &[]).await?);
         }
-        let bootstrap = nodes.first().map(|n| vec![n.addr.clone()]).unwrap_or_default();
+        let bootstrap = nodes
+            .first()
+            .map(|n| vec![n.addr.clone()])
+            .unwrap_or_default();
         let rest: Vec<&Option<String>> = iter.collect();
         for batch in rest.chunks(config.batch.max(1)) {
             for spec in batch {
-                nodes.push(start_node(&config, spec.as_ref(), &bootstrap).await?);
+                let index = nodes.len();
+                nodes.push(start_node(&config, index, spec.as_ref(), &bootstrap).await?);
             }
             let want = nodes.len().saturating_sub(1).min(1);
             for n in nodes.iter().rev().take(batch.len()) {
@@ -190,10 +228,21 @@ impl TestNet {
         Ok(TestNet { nodes, config })
     }
 
+    /// The network's configuration.
+    pub fn config(&self) -> &TestNetConfig {
+        &self.config
+    }
+
     /// A client node (advertises nothing) bootstrapped to node 0.
     pub async fn client(&self) -> Result<TestNode> {
-        let dir = tempfile::Builder::new().prefix("gpunode-client").tempdir()?;
-        let bootstrap: Vec<String> = self.nodes.first().map(|n| vec![n.addr.clone()]).unwrap_or_default();
+        let dir = tempfile::Builder::new()
+            .prefix("gpunode-client")
+            .tempdir()?;
+        let bootstrap: Vec<String> = self
+            .nodes
+            .first()
+            .map(|n| vec![n.addr.clone()])
+            .unwrap_or_default();
         let config = node_config(&self.config, None, &bootstrap)?;
         let mut opts = NodeOptions::new(config, DataDir::new(dir.path()), Role::Client);
         opts.serve_api = false;

@@ -39,7 +39,12 @@ impl ServeProcess {
         let child = Command::new(binary)
             .arg("--data-dir")
             .arg(data_dir)
-            .args(["serve", "--no-mdns", "--listen", "/ip4/127.0.0.1/udp/0/quic-v1"])
+            .args([
+                "serve",
+                "--no-mdns",
+                "--listen",
+                "/ip4/127.0.0.1/udp/0/quic-v1",
+            ])
             .args(extra)
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
@@ -85,7 +90,11 @@ impl ServeProcess {
     }
 
     /// Sends `signal` and waits up to `timeout` for the exit status.
-    pub fn stop(&mut self, signal: i32, timeout: Duration) -> Result<Option<std::process::ExitStatus>> {
+    pub fn stop(
+        &mut self,
+        signal: i32,
+        timeout: Duration,
+    ) -> Result<Option<std::process::ExitStatus>> {
         let _ = Command::new("kill")
             .arg(format!("-{signal}"))
             .arg(self.child.id().to_string())

@@ -29,7 +29,9 @@ fn ids(offers: &[gpunode_node::OfferView]) -> BTreeSet<String> {
 }
 
 fn peers_of(net: &TestNet, idx: &[usize]) -> BTreeSet<String> {
-    idx.iter().map(|i| net.nodes[*i].handle.peer_id().to_string()).collect()
+    idx.iter()
+        .map(|i| net.nodes[*i].handle.peer_id().to_string())
+        .collect()
 }
 
 fn filter(model: Option<&str>, mem: Option<u64>, gpus: Option<u32>) -> OfferFilter {
@@ -43,21 +45,36 @@ fn filter(model: Option<&str>, mem: Option<u64>, gpus: Option<u32>) -> OfferFilt
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn queries_return_exactly_the_matching_providers() {
-    let net = TestNet::start(TestNetConfig::new(specs())).await.expect("start");
+    let net = TestNet::start(TestNetConfig::new(specs()))
+        .await
+        .expect("start");
     let client = net.client().await.expect("client");
     let t = Duration::from_secs(30);
     // Everyone, including the CPU-only node, once all adverts are in.
-    let all = TestNet::wait_for_offers(&client.handle, &OfferFilter::default(), t, |o| o.len() == 9)
-        .await
-        .expect("all nine providers visible");
+    let all =
+        TestNet::wait_for_offers(&client.handle, &OfferFilter::default(), t, |o| o.len() == 9)
+            .await
+            .expect("all nine providers visible");
     assert_eq!(ids(&all), peers_of(&net, &[0, 1, 2, 3, 4, 5, 6, 7, 8]));
     assert!(all.iter().all(|o| o.simulated || o.gpus.is_empty()));
 
-    let a100 = client.handle.find_offers(filter(Some("A100"), None, None)).await.expect("find");
+    let a100 = client
+        .handle
+        .find_offers(filter(Some("A100"), None, None))
+        .await
+        .expect("find");
     assert_eq!(ids(&a100), peers_of(&net, &[0, 1, 6]));
-    let t4 = client.handle.find_offers(filter(Some("t4"), None, None)).await.expect("find");
+    let t4 = client
+        .handle
+        .find_offers(filter(Some("t4"), None, None))
+        .await
+        .expect("find");
     assert_eq!(ids(&t4), peers_of(&net, &[2, 6]));
-    let big = client.handle.find_offers(filter(None, Some(40 << 30), None)).await.expect("find");
+    let big = client
+        .handle
+        .find_offers(filter(None, Some(40 << 30), None))
+        .await
+        .expect("find");
     assert_eq!(ids(&big), peers_of(&net, &[0, 1, 3, 6]));
     let two_big_a100 = client
         .handle
@@ -65,13 +82,24 @@ async fn queries_return_exactly_the_matching_providers() {
         .await
         .expect("find");
     assert_eq!(ids(&two_big_a100), peers_of(&net, &[0]));
-    let none = client.handle.find_offers(filter(Some("B200"), None, None)).await.expect("find");
+    let none = client
+        .handle
+        .find_offers(filter(Some("B200"), None, None))
+        .await
+        .expect("find");
     assert!(none.is_empty());
     // The right GPUs are reported for a provider.
-    let h100 = client.handle.find_offers(filter(Some("H100"), None, Some(4))).await.expect("find");
+    let h100 = client
+        .handle
+        .find_offers(filter(Some("H100"), None, Some(4)))
+        .await
+        .expect("find");
     assert_eq!(h100.len(), 1);
     assert_eq!(h100[0].gpus.len(), 4);
-    assert!(h100[0].gpus.iter().all(|g| g.model == "H100-80GB" && g.memory_bytes == 80 << 30));
+    assert!(h100[0]
+        .gpus
+        .iter()
+        .all(|g| g.model == "H100-80GB" && g.memory_bytes == 80 << 30));
     net.shutdown().await;
 }
 
@@ -87,7 +115,9 @@ async fn crashed_node_disappears_once_its_advert_expires() {
     let client = net.client().await.expect("client");
     let f = filter(Some("A100"), None, None);
     let t = Duration::from_secs(20);
-    TestNet::wait_for_offers(&client.handle, &f, t, |o| o.len() == 3).await.expect("all three");
+    TestNet::wait_for_offers(&client.handle, &f, t, |o| o.len() == 3)
+        .await
+        .expect("all three");
     let victim = net.nodes[2].handle.peer_id().to_string();
     net.nodes[2].crash();
     // Nothing was withdrawn, so the advert is still served until it expires; then it is gone
@@ -112,9 +142,11 @@ async fn graceful_shutdown_withdraws_the_advert_before_it_expires() {
     let mut net = TestNet::start(config).await.expect("start");
     let client = net.client().await.expect("client");
     let f = filter(Some("T4"), None, None);
-    TestNet::wait_for_offers(&client.handle, &f, Duration::from_secs(20), |o| o.len() == 3)
-        .await
-        .expect("all three");
+    TestNet::wait_for_offers(&client.handle, &f, Duration::from_secs(20), |o| {
+        o.len() == 3
+    })
+    .await
+    .expect("all three");
     let leaving = net.nodes[1].handle.peer_id().to_string();
     net.nodes[1].shutdown().await;
     // The advert would live ten minutes; the withdrawal removes it right away.
@@ -134,9 +166,11 @@ async fn gpu_taken_by_its_owner_is_shown_busy() {
     .expect("start");
     let client = net.client().await.expect("client");
     let f = filter(Some("A100"), None, None);
-    let before = TestNet::wait_for_offers(&client.handle, &f, Duration::from_secs(20), |o| o.len() == 1)
-        .await
-        .expect("provider visible");
+    let before = TestNet::wait_for_offers(&client.handle, &f, Duration::from_secs(20), |o| {
+        o.len() == 1
+    })
+    .await
+    .expect("provider visible");
     assert!(before[0].gpus.iter().all(|g| g.state == GpuState::Idle));
     net.nodes[0]
         .gpus

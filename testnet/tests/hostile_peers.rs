@@ -28,10 +28,17 @@ async fn standard_libp2p_peer_gets_identify_and_ping_over_tcp() {
     // A plain libp2p peer: TCP + noise + yamux, identify and ping, nothing of gpunode.
     let mut swarm = libp2p::SwarmBuilder::with_new_identity()
         .with_tokio()
-        .with_tcp(tcp::Config::default(), noise::Config::new, yamux::Config::default)
+        .with_tcp(
+            tcp::Config::default(),
+            noise::Config::new,
+            yamux::Config::default,
+        )
         .expect("tcp")
         .with_behaviour(|key| Plain {
-            identify: identify::Behaviour::new(identify::Config::new("/ipfs/0.1.0".into(), key.public())),
+            identify: identify::Behaviour::new(identify::Config::new(
+                "/ipfs/0.1.0".into(),
+                key.public(),
+            )),
             ping: ping::Behaviour::default(),
         })
         .expect("behaviour")
@@ -119,20 +126,35 @@ async fn forged_oversized_and_garbage_records_are_refused_and_counted() {
         .build();
     let mut plain_target = target_addr.clone();
     plain_target.pop();
-    swarm.behaviour_mut().kad.add_address(&target.handle.peer_id(), plain_target);
+    swarm
+        .behaviour_mut()
+        .kad
+        .add_address(&target.handle.peer_id(), plain_target);
     let peers = vec![target.handle.peer_id()];
     let records = vec![
         // Signed by the attacker but claiming to be the victim.
-        Record::new(RecordKey::new(&advert_record_key(&victim)), forged_advert(victim, &key)),
+        Record::new(
+            RecordKey::new(&advert_record_key(&victim)),
+            forged_advert(victim, &key),
+        ),
         // Bigger than any advert may be.
-        Record::new(RecordKey::new(&advert_record_key(&me)), vec![7u8; 40 * 1024]),
+        Record::new(
+            RecordKey::new(&advert_record_key(&me)),
+            vec![7u8; 40 * 1024],
+        ),
         // Garbage.
-        Record::new(RecordKey::new(&advert_record_key(&me)), b"not an advert".to_vec()),
+        Record::new(
+            RecordKey::new(&advert_record_key(&me)),
+            b"not an advert".to_vec(),
+        ),
         // A key that is not an advert key at all.
         Record::new(RecordKey::new(b"/something/else"), b"x".to_vec()),
     ];
     for r in records {
-        swarm.behaviour_mut().kad.put_record_to(r, peers.clone().into_iter(), Quorum::One);
+        swarm
+            .behaviour_mut()
+            .kad
+            .put_record_to(r, peers.clone().into_iter(), Quorum::One);
     }
     let metrics = target.handle.metrics().clone();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
@@ -148,10 +170,17 @@ async fn forged_oversized_and_garbage_records_are_refused_and_counted() {
             _ = swarm.select_next_some() => {}
             _ = tokio::time::sleep(Duration::from_millis(20)) => {}
         }
-        assert!(tokio::time::Instant::now() < deadline, "rejections not counted: {}", metrics.encode());
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "rejections not counted: {}",
+            metrics.encode()
+        );
     }
     let text = metrics.encode();
-    assert!(text.contains("gpunode_adverts_rejected_total{reason=\"wrong_key\"}"), "{text}");
+    assert!(
+        text.contains("gpunode_adverts_rejected_total{reason=\"wrong_key\"}"),
+        "{text}"
+    );
     // The node still serves, and the victim's real advert is what clients see.
     let client = net.client().await.expect("client");
     let offers = TestNet::wait_for_offers(
@@ -162,8 +191,13 @@ async fn forged_oversized_and_garbage_records_are_refused_and_counted() {
     )
     .await
     .expect("honest offers still served");
-    let v = offers.iter().find(|o| o.peer_id == victim.to_string()).expect("victim listed");
+    let v = offers
+        .iter()
+        .find(|o| o.peer_id == victim.to_string())
+        .expect("victim listed");
     assert_eq!(v.gpus[0].model, "T4-16GB");
-    assert!(!offers.iter().any(|o| o.gpus.iter().any(|g| g.model.starts_with("B200"))));
+    assert!(!offers
+        .iter()
+        .any(|o| o.gpus.iter().any(|g| g.model.starts_with("B200"))));
     net.shutdown().await;
 }

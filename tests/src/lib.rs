@@ -1,1 +1,53 @@
-//! e2e helpers
+//! Helpers for process-level tests: find (or build) the real `gpunode` binary and run
+//! it with temporary data dirs.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+use std::sync::OnceLock;
+
+/// Path of the `gpunode` binary of this workspace's target dir, built if missing.
+pub fn gpunode_bin() -> PathBuf {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| {
+        let exe = std::env::current_exe().expect("test exe path");
+        // target/<profile>/deps/<test> -> target/<profile>/gpunode
+        let profile_dir = exe
+            .parent()
+            .and_then(|p| p.parent())
+            .expect("target profile dir")
+            .to_path_buf();
+        let bin = profile_dir.join("gpunode");
+        if !bin.exists() {
+            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+            let status = Command::new(cargo)
+                .args(["build", "-p", "gpunode"])
+                .status()
+                .expect("run cargo build");
+            assert!(status.success(), "cargo build -p gpunode failed");
+        }
+        bin
+    })
+    .clone()
+}
+
+/// Runs `gpunode --data-dir DIR ARGS...` to completion.
+pub fn gpunode(data_dir: &std::path::Path, args: &[&str]) -> Output {
+    Command::new(gpunode_bin())
+        .arg("--data-dir")
+        .arg(data_dir)
+        .args(args)
+        .env_remove("GPUNODE_CONFIG")
+        .env("XDG_CONFIG_HOME", data_dir.join("xdg-config"))
+        .output()
+        .expect("run gpunode")
+}
+
+/// Text of a process's stderr.
+pub fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Text of a process's stdout.
+pub fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}

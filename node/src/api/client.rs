@@ -2,7 +2,7 @@
 
 use std::path::{Path, PathBuf};
 
-use http_body_util::{BodyExt, Empty};
+use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
 use hyper_util::rt::TokioIo;
 use serde::de::DeserializeOwned;
@@ -51,6 +51,26 @@ impl ApiClient {
 
     /// `GET path`, returning the body text.
     pub async fn get_text(&self, path_and_query: &str) -> Result<String, ClientError> {
+        self.request(hyper::Method::GET, path_and_query, None).await
+    }
+
+    /// `POST path` with a JSON body, decoding the JSON answer.
+    pub async fn post_json<B: serde::Serialize, T: DeserializeOwned>(
+        &self,
+        path: &str,
+        body: &B,
+    ) -> Result<T, ClientError> {
+        let body = serde_json::to_vec(body).map_err(|e| ClientError::Decode(e.to_string()))?;
+        let text = self.request(hyper::Method::POST, path, Some(body)).await?;
+        serde_json::from_str(&text).map_err(|e| ClientError::Decode(e.to_string()))
+    }
+
+    async fn request(
+        &self,
+        method: hyper::Method,
+        path_and_query: &str,
+        body: Option<Vec<u8>>,
+    ) -> Result<String, ClientError> {
         let stream = UnixStream::connect(&self.socket)
             .await
             .map_err(|_| ClientError::NotRunning(self.socket.clone()))?;
@@ -58,9 +78,12 @@ impl ApiClient {
             .await
             .map_err(|e| ClientError::Transport(e.to_string()))?;
         let conn_task = tokio::spawn(conn);
-        let request = hyper::Request::get(path_and_query)
+        let request = hyper::Request::builder()
+            .method(method)
+            .uri(path_and_query)
             .header(hyper::header::HOST, "gpunode")
-            .body(Empty::<Bytes>::new())
+            .header(hyper::header::CONTENT_TYPE, "application/json")
+            .body(Full::new(Bytes::from(body.unwrap_or_default())))
             .map_err(|e| ClientError::Transport(e.to_string()))?;
         let response = sender
             .send_request(request)
@@ -85,7 +108,10 @@ impl ApiClient {
     }
 
     /// `GET path`, decoding the JSON body.
-    pub async fn get_json<T: DeserializeOwned>(&self, path_and_query: &str) -> Result<T, ClientError> {
+    pub async fn get_json<T: DeserializeOwned>(
+        &self,
+        path_and_query: &str,
+    ) -> Result<T, ClientError> {
         let text = self.get_text(path_and_query).await?;
         serde_json::from_str(&text).map_err(|e| ClientError::Decode(e.to_string()))
     }

@@ -3,6 +3,8 @@
 //! servable on a localhost TCP port).
 //!
 //! Routes: `GET /v1/status`, `GET /v1/offers?gpu_model=&min_gpu_mem=&gpus=&backend=`,
+//! `GET /v1/leases`, `POST /v1/leases` (a [`crate::LeaseSpec`]),
+//! `POST /v1/leases/{id}/renew` (`{"extend_ms": N}`), `POST /v1/leases/{id}/cancel`,
 //! `GET /metrics`.
 
 mod client;
@@ -11,7 +13,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use axum::extract::{Query, State};
+use axum::extract::{Path as UrlPath, Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
@@ -24,7 +26,7 @@ use tokio::sync::watch;
 pub use client::{ApiClient, ClientError};
 
 use crate::metrics::Metrics;
-use crate::NodeHandle;
+use crate::{CancelOutcome, LeaseError, LeaseSpec, LeaseView, NodeHandle};
 
 /// Why the local API could not start.
 #[derive(Debug, thiserror::Error)]
@@ -108,6 +110,67 @@ async fn offers(
         .map_err(|e| ApiError500(e.to_string()))
 }
 
+/// Body of `POST /v1/leases/{id}/renew`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RenewBody {
+    /// How much later the lease should end, ms.
+    pub extend_ms: u64,
+}
+
+struct LeaseApiError(LeaseError);
+
+impl IntoResponse for LeaseApiError {
+    fn into_response(self) -> Response {
+        let status = match &self.0 {
+            LeaseError::Invalid(_) => StatusCode::BAD_REQUEST,
+            LeaseError::NotFound(_) => StatusCode::NOT_FOUND,
+            LeaseError::NoProviders(_) | LeaseError::AllRefused(_) | LeaseError::Refused(_) => {
+                StatusCode::CONFLICT
+            }
+            LeaseError::Node(_) => StatusCode::SERVICE_UNAVAILABLE,
+        };
+        (status, self.0.to_string()).into_response()
+    }
+}
+
+async fn list_leases(State(node): State<NodeHandle>) -> Result<Json<Vec<LeaseView>>, ApiError500> {
+    node.list_leases()
+        .await
+        .map(Json)
+        .map_err(|e| ApiError500(e.to_string()))
+}
+
+async fn request_lease(
+    State(node): State<NodeHandle>,
+    Json(spec): Json<LeaseSpec>,
+) -> Result<Json<LeaseView>, LeaseApiError> {
+    node.request_lease(spec)
+        .await
+        .map(Json)
+        .map_err(LeaseApiError)
+}
+
+async fn renew_lease(
+    State(node): State<NodeHandle>,
+    UrlPath(id): UrlPath<String>,
+    Json(body): Json<RenewBody>,
+) -> Result<Json<LeaseView>, LeaseApiError> {
+    node.renew_lease(&id, std::time::Duration::from_millis(body.extend_ms))
+        .await
+        .map(Json)
+        .map_err(LeaseApiError)
+}
+
+async fn cancel_lease(
+    State(node): State<NodeHandle>,
+    UrlPath(id): UrlPath<String>,
+) -> Result<Json<CancelOutcome>, LeaseApiError> {
+    node.cancel_lease(&id)
+        .await
+        .map(Json)
+        .map_err(LeaseApiError)
+}
+
 async fn metrics_text(metrics: Arc<Metrics>) -> Response {
     (
         [(
@@ -129,6 +192,9 @@ pub async fn serve_unix(listener: UnixListener, node: NodeHandle, mut stop: watc
     let app = Router::new()
         .route("/v1/status", get(status))
         .route("/v1/offers", get(offers))
+        .route("/v1/leases", get(list_leases).post(request_lease))
+        .route("/v1/leases/{id}/renew", axum::routing::post(renew_lease))
+        .route("/v1/leases/{id}/cancel", axum::routing::post(cancel_lease))
         .route("/metrics", get(move || metrics_text(metrics.clone())))
         .with_state(node);
     let _ = axum::serve(listener, app)
@@ -142,7 +208,11 @@ pub async fn serve_unix(listener: UnixListener, node: NodeHandle, mut stop: watc
 }
 
 /// Serves only `/metrics` on a localhost TCP listener until `stop` turns true.
-pub async fn serve_metrics(listener: TcpListener, metrics: Arc<Metrics>, mut stop: watch::Receiver<bool>) {
+pub async fn serve_metrics(
+    listener: TcpListener,
+    metrics: Arc<Metrics>,
+    mut stop: watch::Receiver<bool>,
+) {
     let app = Router::new().route("/metrics", get(move || metrics_text(metrics.clone())));
     let _ = axum::serve(listener, app)
         .with_graceful_shutdown(async move {

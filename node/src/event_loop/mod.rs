@@ -19,25 +19,34 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use gpunode_protocol::advert::{
-    advert_record_key, capability_keys, peer_of_advert_key, Advert, OfferFilter,
+    advert_record_key, capability_keys, peer_of_advert_key, Advert, AdvertError, OfferFilter,
 };
 use gpunode_protocol::time::now_ms;
 use libp2p::core::ConnectedPoint;
+use libp2p::identity::Keypair;
 use libp2p::kad::{self, QueryId, QueryResult, Quorum, Record, RecordKey};
 use libp2p::multiaddr::Protocol;
 use libp2p::swarm::dial_opts::DialOpts;
 use libp2p::swarm::SwarmEvent;
-use libp2p::identity::Keypair;
 use libp2p::{identify, mdns, Multiaddr, PeerId, Swarm};
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
-use crate::adverts::{AdvertBook, LocalOffer};
+mod leases;
+
+pub(crate) use leases::capacity_from;
+
+use crate::adverts::{AdvertBook, AdvertStamp, LocalOffer};
 use crate::inventory::InventorySnapshot;
+use crate::lease::book::SignedRenewal;
+use crate::lease::{LeaseBook, LeaseRecord};
 use crate::metrics::Metrics;
 use crate::network::{NodeBehaviour, NodeBehaviourEvent, KAD_PROTOCOL};
 use crate::store::Store;
 use crate::views::{AdvertStatus, NodeStatus, OfferSearch, OfferView};
+use gpunode_protocol::gpu::GpuState;
+use gpunode_protocol::lease::{Cancellation, LeaseMessage, LeaseReply, LeaseTerms, Rejection};
+use libp2p::request_response::{OutboundRequestId, ResponseChannel};
 
 /// How long an offer query may take before it answers with what it has.
 const FIND_TIMEOUT: Duration = Duration::from_secs(8);
@@ -45,6 +54,10 @@ const FIND_TIMEOUT: Duration = Duration::from_secs(8);
 const WITHDRAW_TIMEOUT: Duration = Duration::from_secs(2);
 /// Kademlia's replication factor: below this many stored copies we re-publish on new peers.
 const REPLICATION: usize = 20;
+
+/// A cancellation this node made: the lease as it now stands, and the signed message
+/// to send to the other party.
+pub(crate) type LocalCancel = (LeaseRecord, Cancellation, Vec<u8>);
 
 /// Requests from a [`crate::NodeHandle`] to the loop.
 #[derive(Debug)]
@@ -55,6 +68,36 @@ pub(crate) enum Command {
         reply: oneshot::Sender<OfferSearch>,
     },
     Shutdown(oneshot::Sender<()>),
+    /// Fetch the current adverts of these peers (no provider lookup).
+    FindAdverts {
+        peers: Vec<PeerId>,
+        reply: oneshot::Sender<OfferSearch>,
+    },
+    SendLease {
+        peer: PeerId,
+        addrs: Vec<Multiaddr>,
+        message: LeaseMessage,
+        reply: oneshot::Sender<Result<LeaseReply, String>>,
+    },
+    RecordLease {
+        terms: LeaseTerms,
+        provider_sig: Vec<u8>,
+        requester_sig: Vec<u8>,
+        reply: oneshot::Sender<Result<LeaseRecord, String>>,
+    },
+    ApplyRenewal {
+        signed: SignedRenewal,
+        reply: oneshot::Sender<Result<LeaseRecord, String>>,
+    },
+    CancelLocal {
+        prefix: String,
+        reply: oneshot::Sender<Result<LocalCancel, Rejection>>,
+    },
+    ResolveLease {
+        prefix: String,
+        reply: oneshot::Sender<Result<LeaseRecord, String>>,
+    },
+    ListLeases(oneshot::Sender<Vec<LeaseRecord>>),
 }
 
 struct PendingFind {
@@ -75,6 +118,8 @@ struct OwnAdvert {
     record: Option<Vec<u8>>,
     status: AdvertStatus,
     provided: Vec<Vec<u8>>,
+    published_at_table_size: usize,
+    retry_backoff: Duration,
     needs_new: bool,
     publish_at: Option<Instant>,
     refresh_at: Instant,
@@ -96,6 +141,9 @@ pub(crate) struct EventLoop {
     next_find: u64,
     provider_queries: HashMap<QueryId, u64>,
     record_queries: HashMap<QueryId, (u64, PeerId)>,
+    leases: LeaseBook,
+    lease_out: HashMap<OutboundRequestId, oneshot::Sender<Result<LeaseReply, String>>>,
+    lease_replies: Vec<(ResponseChannel<LeaseReply>, LeaseReply)>,
 }
 
 /// How the loop is set up.
@@ -109,6 +157,8 @@ pub(crate) struct LoopParts {
     pub inventory: InventorySnapshot,
     /// `None` for a client that does not advertise.
     pub offer: Option<(LocalOffer, Duration)>,
+    /// Leases restored from the store.
+    pub leases: LeaseBook,
 }
 
 impl EventLoop {
@@ -123,6 +173,8 @@ impl EventLoop {
                 ..AdvertStatus::default()
             },
             provided: Vec::new(),
+            published_at_table_size: 0,
+            retry_backoff: Duration::ZERO,
             needs_new: true,
             publish_at: Some(Instant::now() + Duration::from_millis(50)),
             refresh_at: Instant::now() + ttl / 2,
@@ -143,6 +195,9 @@ impl EventLoop {
             next_find: 0,
             provider_queries: HashMap::new(),
             record_queries: HashMap::new(),
+            leases: parts.leases,
+            lease_out: HashMap::new(),
+            lease_replies: Vec::new(),
         }
     }
 
@@ -157,6 +212,10 @@ impl EventLoop {
         for f in self.finds.values() {
             t = t.min(f.deadline);
         }
+        if let Some(due) = self.leases.next_deadline() {
+            let wait = Duration::from_millis(due.saturating_sub(now_ms()));
+            t = t.min(Instant::now() + wait);
+        }
         t
     }
 
@@ -164,7 +223,17 @@ impl EventLoop {
         loop {
             let timer = self.next_timer();
             tokio::select! {
-                event = self.swarm.select_next_some() => self.on_swarm_event(event),
+                event = self.swarm.select_next_some() => {
+                    self.on_swarm_event(event);
+                    // Handle whatever else is ready before flushing, so one store flush
+                    // covers a batch of lease replies (group commit).
+                    for _ in 0..63 {
+                        match futures::FutureExt::now_or_never(self.swarm.next()) {
+                            Some(Some(event)) => self.on_swarm_event(event),
+                            _ => break,
+                        }
+                    }
+                }
                 command = self.commands.recv() => match command {
                     Some(Command::Shutdown(done)) => {
                         self.withdraw().await;
@@ -180,6 +249,7 @@ impl EventLoop {
                 Some(snapshot) = self.snapshots.recv() => self.on_snapshot(snapshot),
                 _ = tokio::time::sleep_until(timer) => self.on_timer(),
             }
+            self.flush_lease_replies();
         }
     }
 
@@ -189,7 +259,40 @@ impl EventLoop {
                 let _ = reply.send(self.status());
             }
             Command::FindOffers { filter, reply } => self.start_find(filter, reply),
+            Command::FindAdverts { peers, reply } => self.start_advert_fetch(peers, reply),
             Command::Shutdown(_) => {}
+            Command::SendLease {
+                peer,
+                addrs,
+                message,
+                reply,
+            } => self.send_lease(peer, addrs, message, reply),
+            Command::RecordLease {
+                terms,
+                provider_sig,
+                requester_sig,
+                reply,
+            } => {
+                let _ = reply.send(self.record_requester_lease(terms, provider_sig, requester_sig));
+            }
+            Command::ApplyRenewal { signed, reply } => {
+                let _ = reply.send(self.apply_renewal(signed));
+            }
+            Command::CancelLocal { prefix, reply } => {
+                let _ = reply.send(self.cancel_local(&prefix));
+            }
+            Command::ResolveLease { prefix, reply } => {
+                let r = self.leases.resolve(&prefix).and_then(|id| {
+                    self.leases
+                        .get(&id)
+                        .cloned()
+                        .ok_or_else(|| "lease vanished".into())
+                });
+                let _ = reply.send(r);
+            }
+            Command::ListLeases(reply) => {
+                let _ = reply.send(self.leases.all().into_iter().cloned().collect());
+            }
         }
     }
 
@@ -221,6 +324,13 @@ impl EventLoop {
 
     fn on_snapshot(&mut self, snapshot: InventorySnapshot) {
         if snapshot != self.inventory {
+            if let Some(own) = &self.own {
+                self.leases.set_capacity(capacity_from(
+                    &snapshot,
+                    own.offer.cpu_cores,
+                    own.offer.ram_bytes,
+                ));
+            }
             let state_changed = snapshot.gpus.iter().map(|g| (&g.uuid, g.state)).ne(self
                 .inventory
                 .gpus
@@ -254,6 +364,9 @@ impl EventLoop {
                 self.publish(false);
             }
         }
+        if self.leases.next_deadline().is_some_and(|d| d <= now_ms()) {
+            self.tick_leases();
+        }
         let expired: Vec<u64> = self
             .finds
             .iter()
@@ -275,6 +388,13 @@ impl EventLoop {
             .map(|a| a.to_string())
             .collect();
         let key = advert_record_key(&self.local_peer);
+        let leased = self.leases.committed_gpus();
+        let mut inventory_with_leases = self.inventory.clone();
+        for g in &mut inventory_with_leases.gpus {
+            if g.state == GpuState::Idle && leased.contains(&g.uuid) {
+                g.state = GpuState::Leased;
+            }
+        }
         let own = self.own.as_mut()?;
         if own.needs_new || withdrawn || own.record.is_none() {
             let now = now_ms();
@@ -287,12 +407,14 @@ impl EventLoop {
             };
             let advert = own.offer.advert(
                 self.local_peer,
-                seq,
-                now,
-                own.ttl.as_millis() as u64,
-                &self.inventory,
+                &AdvertStamp {
+                    seq,
+                    issued_at_ms: now,
+                    ttl_ms: own.ttl.as_millis() as u64,
+                    withdrawn,
+                },
+                &inventory_with_leases,
                 listen_addrs,
-                withdrawn,
             );
             let signed = self.sign(&advert)?;
             let own = self.own.as_mut()?;
@@ -307,11 +429,13 @@ impl EventLoop {
                 .collect();
             self.metrics.adverts_published.inc();
         }
+        let table_size = self.routing_table_size();
         let own = self.own.as_mut()?;
+        own.published_at_table_size = table_size;
         let mut record = Record::new(RecordKey::new(&key), own.record.clone()?);
         record.expires = Some(std::time::Instant::now() + own.ttl);
         let kad = &mut self.swarm.behaviour_mut().kad;
-        let query = match kad.put_record(record, Quorum::One) {
+        let query = match kad.put_record(record, Quorum::All) {
             Ok(q) => Some(q),
             Err(e) => {
                 tracing::warn!("cannot store own advert: {e:?}");
@@ -396,28 +520,27 @@ impl EventLoop {
         );
     }
 
-    fn on_providers(
-        &mut self,
-        query: QueryId,
-        result: Result<kad::GetProvidersOk, kad::GetProvidersError>,
-        last: bool,
-        requests: u32,
-    ) {
-        let Some(&id) = self.provider_queries.get(&query) else {
-            return;
-        };
-        if let Some(find) = self.finds.get_mut(&id) {
-            if last {
-                find.dht_requests += requests;
-            }
-            if let Ok(kad::GetProvidersOk::FoundProviders { providers, .. }) = result {
-                find.providers.extend(providers.into_iter().filter(|p| *p != self.local_peer));
-            }
-        }
-        if !last {
-            return;
-        }
-        self.provider_queries.remove(&query);
+    /// Fetches the adverts of known peers, as the second half of an offer query.
+    fn start_advert_fetch(&mut self, peers: Vec<PeerId>, reply: oneshot::Sender<OfferSearch>) {
+        let id = self.next_find;
+        self.next_find += 1;
+        self.finds.insert(
+            id,
+            PendingFind {
+                filter: OfferFilter::default(),
+                reply,
+                providers: peers.iter().copied().collect(),
+                dht_requests: 0,
+                providers_done: false,
+                outstanding: 0,
+                found: HashMap::new(),
+                deadline: Instant::now() + FIND_TIMEOUT,
+            },
+        );
+        self.fetch_adverts(id);
+    }
+
+    fn fetch_adverts(&mut self, id: u64) {
         let Some(find) = self.finds.get_mut(&id) else {
             return;
         };
@@ -437,6 +560,32 @@ impl EventLoop {
         self.maybe_complete(id);
     }
 
+    fn on_providers(
+        &mut self,
+        query: QueryId,
+        result: Result<kad::GetProvidersOk, kad::GetProvidersError>,
+        last: bool,
+        requests: u32,
+    ) {
+        let Some(&id) = self.provider_queries.get(&query) else {
+            return;
+        };
+        if let Some(find) = self.finds.get_mut(&id) {
+            if last {
+                find.dht_requests += requests;
+            }
+            if let Ok(kad::GetProvidersOk::FoundProviders { providers, .. }) = result {
+                find.providers
+                    .extend(providers.into_iter().filter(|p| *p != self.local_peer));
+            }
+        }
+        if !last {
+            return;
+        }
+        self.provider_queries.remove(&query);
+        self.fetch_adverts(id);
+    }
+
     fn on_record(
         &mut self,
         query: QueryId,
@@ -450,7 +599,15 @@ impl EventLoop {
         let mut resolved = last;
         if let Ok(kad::GetRecordOk::FoundRecord(found)) = result {
             if peer_of_advert_key(found.record.key.as_ref()) == Some(peer) {
-                if let Ok(advert) = self.book.accept(&found.record.value, &peer, now_ms()) {
+                let now = now_ms();
+                // A copy older than one we have seen is answered with the newer one.
+                let accepted = match self.book.accept(&found.record.value, &peer, now) {
+                    Err(AdvertError::Stale { .. }) => {
+                        self.book.latest(&peer, now).cloned().ok_or(())
+                    }
+                    other => other.map_err(|_| ()),
+                };
+                if let Ok(advert) = accepted {
                     if let Some(find) = self.finds.get_mut(&id) {
                         let newer = find.found.get(&peer).is_none_or(|a| a.seq < advert.seq);
                         if newer {
@@ -529,20 +686,30 @@ impl EventLoop {
                 }
                 self.schedule_publish(Duration::from_millis(50), true);
             }
-            SwarmEvent::ConnectionEstablished { peer_id, endpoint, .. } => {
+            SwarmEvent::ConnectionEstablished {
+                peer_id, endpoint, ..
+            } => {
                 *self.connections.entry(peer_id).or_default() += 1;
-                self.metrics.peers_connected.set(self.connections.len() as i64);
+                self.metrics
+                    .peers_connected
+                    .set(self.connections.len() as i64);
                 if let ConnectedPoint::Dialer { address, .. } = endpoint {
                     tracing::debug!(%peer_id, %address, "connected");
                 }
             }
-            SwarmEvent::ConnectionClosed { peer_id, num_established, .. } => {
+            SwarmEvent::ConnectionClosed {
+                peer_id,
+                num_established,
+                ..
+            } => {
                 if num_established == 0 {
                     self.connections.remove(&peer_id);
                 } else {
                     self.connections.insert(peer_id, num_established as usize);
                 }
-                self.metrics.peers_connected.set(self.connections.len() as i64);
+                self.metrics
+                    .peers_connected
+                    .set(self.connections.len() as i64);
             }
             SwarmEvent::OutgoingConnectionError { peer_id, error, .. } => {
                 tracing::debug!(?peer_id, "dial failed: {error}");
@@ -554,11 +721,9 @@ impl EventLoop {
                 peer_id,
                 info,
                 ..
-            })) => {
-                if info.protocols.contains(&KAD_PROTOCOL) {
-                    for addr in info.listen_addrs {
-                        self.swarm.behaviour_mut().kad.add_address(&peer_id, addr);
-                    }
+            })) if info.protocols.contains(&KAD_PROTOCOL) => {
+                for addr in info.listen_addrs {
+                    self.swarm.behaviour_mut().kad.add_address(&peer_id, addr);
                 }
             }
             SwarmEvent::Behaviour(NodeBehaviourEvent::Mdns(mdns::Event::Discovered(list))) => {
@@ -571,50 +736,94 @@ impl EventLoop {
                 }
             }
             SwarmEvent::Behaviour(NodeBehaviourEvent::Kad(event)) => self.on_kad_event(event),
+            SwarmEvent::Behaviour(NodeBehaviourEvent::Lease(event)) => self.on_lease_event(event),
             _ => {}
         }
     }
 
     fn on_kad_event(&mut self, event: kad::Event) {
         match event {
-            kad::Event::OutboundQueryProgressed { id, result, step, stats } => match result {
+            kad::Event::OutboundQueryProgressed {
+                id,
+                result,
+                step,
+                stats,
+            } => match result {
                 QueryResult::GetProviders(r) => {
                     self.on_providers(id, r, step.last, stats.num_requests())
                 }
                 QueryResult::GetRecord(r) => self.on_record(id, r, step.last, stats.num_requests()),
                 QueryResult::PutRecord(r) => {
+                    let stored = match &r {
+                        Ok(_) => stats.num_successes() as usize,
+                        Err(kad::PutRecordError::QuorumFailed { success, .. })
+                        | Err(kad::PutRecordError::Timeout { success, .. }) => success.len(),
+                    };
                     if let Some(own) = &mut self.own {
-                        own.status.stored_at_peers = stats.num_successes() as usize;
+                        own.status.stored_at_peers = stored;
                     }
                     if let Err(e) = r {
                         tracing::debug!("advert publication incomplete: {e:?}");
                     }
+                    self.retry_if_under_replicated(stored);
+                }
+                QueryResult::StartProviding(r) => {
+                    let stored = match &r {
+                        Ok(_) => stats.num_successes() as usize,
+                        Err(_) => 0,
+                    };
+                    self.retry_if_under_replicated(stored);
                 }
                 _ => {}
             },
             kad::Event::InboundRequest { request } => match request {
-                kad::InboundRequest::PutRecord { source, record: Some(record), .. } => {
-                    self.on_inbound_record(source, record)
-                }
-                kad::InboundRequest::AddProvider { record: Some(record) } => {
-                    if record.key.as_ref().starts_with(b"/gpunode/v1/cap/") {
-                        let _ = self.swarm.behaviour_mut().kad.store_mut_add_provider(record);
-                    }
+                kad::InboundRequest::PutRecord {
+                    source,
+                    record: Some(record),
+                    ..
+                } => self.on_inbound_record(source, record),
+                kad::InboundRequest::AddProvider {
+                    record: Some(record),
+                } if record.key.as_ref().starts_with(b"/gpunode/v1/cap/") => {
+                    let _ = self
+                        .swarm
+                        .behaviour_mut()
+                        .kad
+                        .store_mut_add_provider(record);
                 }
                 _ => {}
             },
             kad::Event::RoutingUpdated { is_new_peer, .. } => {
                 let size = self.routing_table_size();
                 self.metrics.routing_table_peers.set(size as i64);
-                let under_replicated = self
-                    .own
-                    .as_ref()
-                    .is_some_and(|o| o.status.stored_at_peers < REPLICATION.min(size));
-                if is_new_peer && under_replicated {
+                // Re-publish whenever the network has grown by a quarter since we last
+                // published: the peers closest to our keys may be new ones holding nothing.
+                let republish = self.own.as_ref().is_some_and(|o| {
+                    o.status.seq > 0
+                        && size > o.published_at_table_size + o.published_at_table_size / 4
+                });
+                if is_new_peer && republish {
                     self.schedule_publish(Duration::from_millis(300), false);
                 }
             }
             _ => {}
+        }
+    }
+
+    /// Too few peers took our advert or provider record (peers busy, or the network
+    /// still forming): publish again, backing off up to a minute.
+    fn retry_if_under_replicated(&mut self, stored: usize) {
+        let table = self.routing_table_size();
+        let Some(own) = &mut self.own else {
+            return;
+        };
+        if stored < REPLICATION.min(table) {
+            own.retry_backoff =
+                (own.retry_backoff * 2).clamp(Duration::from_secs(1), Duration::from_secs(60));
+            let backoff = own.retry_backoff;
+            self.schedule_publish(backoff, false);
+        } else {
+            own.retry_backoff = Duration::ZERO;
         }
     }
 

@@ -1,0 +1,295 @@
+//! The event loop's lease side: inbound lease messages go through the lease book, the
+//! changes are written to the store, and replies wait until one flush has made a whole
+//! batch durable (group commit); outbound messages are routed back to their callers.
+
+use gpunode_protocol::lease::{
+    Cancellation, LeaseId, LeaseMessage, LeaseReply, RejectCode, Rejection,
+};
+use gpunode_protocol::time::now_ms;
+use libp2p::request_response::{self, ResponseChannel};
+use libp2p::PeerId;
+
+use super::EventLoop;
+use crate::inventory::InventorySnapshot;
+use crate::lease::book::SignedRenewal;
+use crate::lease::codec::InboundLease;
+use crate::lease::{persist, Capacity, GpuSlot, LeaseRecord};
+use gpunode_protocol::gpu::GpuState;
+
+type LeaseEvent = request_response::Event<InboundLease, LeaseReply>;
+
+impl EventLoop {
+    pub(super) fn on_lease_event(&mut self, event: LeaseEvent) {
+        match event {
+            request_response::Event::Message {
+                peer,
+                message:
+                    request_response::Message::Request {
+                        request, channel, ..
+                    },
+                ..
+            } => self.on_lease_request(peer, request, channel),
+            request_response::Event::Message {
+                message:
+                    request_response::Message::Response {
+                        request_id,
+                        response,
+                    },
+                ..
+            } => {
+                if let Some(reply) = self.lease_out.remove(&request_id) {
+                    let _ = reply.send(Ok(response));
+                }
+            }
+            request_response::Event::OutboundFailure {
+                request_id,
+                error,
+                peer,
+                ..
+            } => {
+                if let Some(reply) = self.lease_out.remove(&request_id) {
+                    let _ = reply.send(Err(format!("peer {peer} did not answer: {error}")));
+                }
+            }
+            request_response::Event::InboundFailure { peer, error, .. } => {
+                tracing::debug!(%peer, "inbound lease stream failed: {error}");
+                self.metrics.lease_rejected("stream_failure");
+            }
+            request_response::Event::ResponseSent { .. } => {}
+        }
+    }
+
+    fn on_lease_request(
+        &mut self,
+        peer: PeerId,
+        request: InboundLease,
+        channel: ResponseChannel<LeaseReply>,
+    ) {
+        self.metrics.lease_messages.inc();
+        let now = now_ms();
+        let committed_before = self.leases.committed_gpus();
+        let reply = match request {
+            InboundLease::Invalid(r) => LeaseReply::Rejected(r),
+            InboundLease::Message(LeaseMessage::Request(req)) => {
+                let id = LeaseId(rand::random());
+                match self.leases.on_request(&peer, &req, id, &self.keypair, now) {
+                    Ok((terms, provider_sig)) => LeaseReply::Offer {
+                        terms,
+                        provider_sig,
+                    },
+                    Err(r) => LeaseReply::Rejected(r),
+                }
+            }
+            InboundLease::Message(LeaseMessage::Accept {
+                terms,
+                provider_sig,
+                requester_sig,
+            }) => {
+                match self
+                    .leases
+                    .on_accept(&peer, &terms, &provider_sig, &requester_sig, now)
+                {
+                    Ok(lease_id) => LeaseReply::Activated { lease_id },
+                    Err(r) => LeaseReply::Rejected(r),
+                }
+            }
+            InboundLease::Message(LeaseMessage::Renew { renewal, signature }) => {
+                match self
+                    .leases
+                    .on_renew(&peer, &renewal, &signature, &self.keypair, now)
+                {
+                    Ok(provider_sig) => LeaseReply::Renewed {
+                        lease_id: renewal.lease_id,
+                        new_end_ms: renewal.new_end_ms,
+                        provider_sig,
+                    },
+                    Err(r) => LeaseReply::Rejected(r),
+                }
+            }
+            InboundLease::Message(LeaseMessage::Cancel {
+                cancellation,
+                signature,
+            }) => match self.leases.on_cancel(&peer, &cancellation, &signature, now) {
+                Ok(()) => LeaseReply::Cancelled {
+                    lease_id: cancellation.lease_id,
+                },
+                Err(r) => LeaseReply::Rejected(r),
+            },
+        };
+        if let LeaseReply::Rejected(r) = &reply {
+            tracing::debug!(%peer, "lease message rejected: {}", r.message);
+            self.metrics.lease_rejected(r.code.label());
+        }
+        self.persist_leases();
+        self.after_lease_change(&committed_before);
+        self.lease_replies.push((channel, reply));
+    }
+
+    /// Writes pending lease changes to the store (durable at the next flush).
+    pub(super) fn persist_leases(&mut self) {
+        if let Err(e) = persist::write_changes(&self.store, &mut self.leases) {
+            tracing::error!("cannot store lease changes: {e}");
+        }
+    }
+
+    /// Makes the batch durable, then sends every reply waiting for it.
+    pub(super) fn flush_lease_replies(&mut self) {
+        if self.lease_replies.is_empty() {
+            return;
+        }
+        if let Err(e) = self.store.flush() {
+            tracing::error!("cannot flush the store; lease replies withheld: {e}");
+            self.lease_replies.clear();
+            return;
+        }
+        for (channel, reply) in self.lease_replies.drain(..) {
+            let _ = self
+                .swarm
+                .behaviour_mut()
+                .lease
+                .send_response(channel, reply);
+        }
+    }
+
+    /// Updates gauges and re-advertises when the set of leased GPUs changed.
+    pub(super) fn after_lease_change(
+        &mut self,
+        committed_before: &std::collections::HashSet<String>,
+    ) {
+        let (gpus, _, _) = self.leases.committed_totals();
+        self.metrics.leased_gpus.set(gpus as i64);
+        let active = self
+            .leases
+            .all()
+            .iter()
+            .filter(|l| l.state == crate::lease::LeaseState::Active)
+            .count();
+        self.metrics.leases_active.set(active as i64);
+        if self.leases.committed_gpus() != *committed_before {
+            self.schedule_publish(std::time::Duration::from_millis(20), true);
+        }
+    }
+
+    /// Lease deadlines that passed: holds released, leases completed.
+    pub(super) fn tick_leases(&mut self) {
+        let before = self.leases.committed_gpus();
+        if !self.leases.tick(now_ms()).is_empty() {
+            self.persist_leases();
+            if let Err(e) = self.store.flush() {
+                tracing::error!("cannot flush lease expiries: {e}");
+            }
+        } else {
+            self.persist_leases();
+        }
+        self.after_lease_change(&before);
+    }
+
+    /// Sends a lease message and hands the answer to `reply`.
+    pub(super) fn send_lease(
+        &mut self,
+        peer: PeerId,
+        addrs: Vec<libp2p::Multiaddr>,
+        message: LeaseMessage,
+        reply: tokio::sync::oneshot::Sender<Result<LeaseReply, String>>,
+    ) {
+        if !addrs.is_empty() && !self.connections.contains_key(&peer) {
+            // The addresses come from the peer's newest signed advert: they replace what
+            // the routing table remembers (a restarted peer may listen elsewhere now), so
+            // no dial to a stale address holds our request up.
+            let kad = &mut self.swarm.behaviour_mut().kad;
+            kad.remove_peer(&peer);
+            for addr in &addrs {
+                kad.add_address(&peer, addr.clone());
+            }
+        }
+        let id = self
+            .swarm
+            .behaviour_mut()
+            .lease
+            .send_request_with_addresses(&peer, InboundLease::Message(message), addrs);
+        self.lease_out.insert(id, reply);
+    }
+
+    /// Records a lease the provider activated for us, durably.
+    pub(super) fn record_requester_lease(
+        &mut self,
+        terms: gpunode_protocol::lease::LeaseTerms,
+        provider_sig: Vec<u8>,
+        requester_sig: Vec<u8>,
+    ) -> Result<LeaseRecord, String> {
+        let id = terms.lease_id;
+        self.leases
+            .record_requester_lease(terms, provider_sig, requester_sig, now_ms());
+        self.persist_durably()?;
+        self.leases
+            .get(&id)
+            .cloned()
+            .ok_or_else(|| "lease vanished".to_string())
+    }
+
+    /// Applies a renewal both parties signed, durably.
+    pub(super) fn apply_renewal(&mut self, signed: SignedRenewal) -> Result<LeaseRecord, String> {
+        let id = signed.renewal.lease_id;
+        self.leases
+            .apply_renewal(signed, now_ms())
+            .map_err(|r| r.message)?;
+        self.persist_durably()?;
+        self.leases
+            .get(&id)
+            .cloned()
+            .ok_or_else(|| "lease vanished".to_string())
+    }
+
+    /// Cancels a lease on our own initiative: signed, applied and stored; the caller
+    /// tells the other party.
+    pub(super) fn cancel_local(&mut self, prefix: &str) -> Result<super::LocalCancel, Rejection> {
+        let id = self
+            .leases
+            .resolve(prefix)
+            .map_err(|m| Rejection::new(RejectCode::UnknownLease, m))?;
+        let cancellation = Cancellation {
+            lease_id: id,
+            by: self.local_peer,
+            at_ms: now_ms(),
+        };
+        let signature = cancellation
+            .sign(&self.keypair)
+            .map_err(|e| Rejection::new(RejectCode::BadSignature, e.to_string()))?;
+        let before = self.leases.committed_gpus();
+        self.leases
+            .on_cancel(&self.local_peer, &cancellation, &signature, now_ms())?;
+        self.persist_durably()
+            .map_err(|m| Rejection::new(RejectCode::WrongState, m))?;
+        self.after_lease_change(&before);
+        let record = self
+            .leases
+            .get(&id)
+            .cloned()
+            .ok_or_else(|| Rejection::new(RejectCode::UnknownLease, "lease vanished"))?;
+        Ok((record, cancellation, signature))
+    }
+
+    fn persist_durably(&mut self) -> Result<(), String> {
+        persist::write_changes(&self.store, &mut self.leases).map_err(|e| e.to_string())?;
+        self.store.flush().map_err(|e| e.to_string())
+    }
+}
+
+/// What a provider can lend, from its inventory and configured CPU and RAM.
+pub(crate) fn capacity_from(snapshot: &InventorySnapshot, cpus: u32, mem_bytes: u64) -> Capacity {
+    Capacity {
+        gpus: snapshot
+            .gpus
+            .iter()
+            .map(|g| GpuSlot {
+                index: g.index,
+                uuid: g.uuid.clone(),
+                model: g.name.clone(),
+                memory_bytes: g.memory_total_bytes,
+                available: g.state != GpuState::OwnerBusy,
+            })
+            .collect(),
+        cpus,
+        mem_bytes,
+    }
+}

@@ -1,0 +1,809 @@
+//! The lease book: every lease this node is party to, as provider or requester, and the
+//! provider's rules for granting them. Pure state: messages and `now` in, decisions and
+//! a list of changes to persist out. The event loop owns the only instance, so requests,
+//! accepts, renewals, cancels and expiries are applied one at a time and capacity can
+//! never be committed twice.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+use gpunode_protocol::advert::OfferFilter;
+use gpunode_protocol::lease::{
+    Cancellation, LeaseId, LeaseRequest, LeaseTerms, LeasedGpu, RejectCode, Rejection, Renewal,
+    LEASE_VERSION,
+};
+use gpunode_protocol::signing;
+use gpunode_protocol::time::{UnixMillis, MAX_CLOCK_SKEW_MS};
+use gpunode_protocol::units::format_bytes;
+use gpunode_protocol::{Keypair, PeerId};
+use serde::{Deserialize, Serialize};
+
+use super::policy::{Capacity, LeasePolicy};
+
+/// Which side of a lease this node is on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum LeaseRole {
+    /// We lend.
+    Provider,
+    /// We use.
+    Requester,
+}
+
+/// Where a lease stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum LeaseState {
+    /// Offered and holding resources until the offer window closes.
+    Offered,
+    /// Signed by both and running.
+    Active,
+    /// Ran to its end.
+    Completed,
+    /// The offer was not accepted in time.
+    Expired,
+    /// Ended early by either party.
+    Cancelled,
+    /// Could not be set up or broke.
+    Failed,
+}
+
+impl LeaseState {
+    /// Whether the lease holds resources.
+    pub fn holds_resources(self) -> bool {
+        matches!(self, LeaseState::Offered | LeaseState::Active)
+    }
+
+    /// A word for tables.
+    pub fn label(self) -> &'static str {
+        match self {
+            LeaseState::Offered => "offered",
+            LeaseState::Active => "active",
+            LeaseState::Completed => "completed",
+            LeaseState::Expired => "expired",
+            LeaseState::Cancelled => "cancelled",
+            LeaseState::Failed => "failed",
+        }
+    }
+}
+
+/// A lease and everything signed about it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeaseRecord {
+    /// The terms (with the current end after renewals).
+    pub terms: LeaseTerms,
+    /// Provider's signature over the original terms.
+    pub provider_sig: Vec<u8>,
+    /// Requester's countersignature, once accepted.
+    pub requester_sig: Option<Vec<u8>>,
+    /// The original end, before renewals (the signed terms carry this end).
+    pub signed_end_ms: UnixMillis,
+    /// Renewals with both signatures.
+    pub renewals: Vec<SignedRenewal>,
+    /// Our side.
+    pub role: LeaseRole,
+    /// Where it stands.
+    pub state: LeaseState,
+    /// When it last changed (our clock).
+    pub updated_ms: UnixMillis,
+}
+
+/// A renewal signed by both parties.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SignedRenewal {
+    /// The renewal.
+    pub renewal: Renewal,
+    /// Requester's signature.
+    pub requester_sig: Vec<u8>,
+    /// Provider's signature.
+    pub provider_sig: Vec<u8>,
+}
+
+impl LeaseRecord {
+    /// The terms as both parties signed them (before renewals).
+    pub fn signed_terms(&self) -> LeaseTerms {
+        LeaseTerms {
+            end_ms: self.signed_end_ms,
+            ..self.terms.clone()
+        }
+    }
+
+    /// Whether both signatures over the terms, and both on every renewal, verify.
+    pub fn signatures_valid(&self) -> (bool, bool) {
+        let terms = self.signed_terms();
+        let mut provider_ok = terms.verify(&terms.provider, &self.provider_sig).is_ok();
+        let mut requester_ok = self
+            .requester_sig
+            .as_ref()
+            .is_some_and(|s| terms.verify(&terms.requester, s).is_ok());
+        for r in &self.renewals {
+            provider_ok &= r.renewal.verify(&terms.provider, &r.provider_sig).is_ok();
+            requester_ok &= r.renewal.verify(&terms.requester, &r.requester_sig).is_ok();
+        }
+        (provider_ok, requester_ok)
+    }
+
+    /// The other party.
+    pub fn peer(&self) -> PeerId {
+        match self.role {
+            LeaseRole::Provider => self.terms.requester,
+            LeaseRole::Requester => self.terms.provider,
+        }
+    }
+}
+
+/// Something the caller must write to the store.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Change {
+    /// Write this lease record.
+    Lease(LeaseId),
+    /// Remember this nonce of this peer until the given time.
+    Nonce(PeerId, u64, UnixMillis),
+    /// Forget this nonce (its request can no longer be valid).
+    ForgetNonce(PeerId, u64),
+}
+
+/// The lease state machine.
+#[derive(Debug)]
+pub struct LeaseBook {
+    local: PeerId,
+    policy: LeasePolicy,
+    capacity: Capacity,
+    leases: BTreeMap<LeaseId, LeaseRecord>,
+    nonces: HashMap<(PeerId, u64), UnixMillis>,
+    changes: Vec<Change>,
+}
+
+fn reject(code: RejectCode, message: impl Into<String>) -> Rejection {
+    Rejection::new(code, message)
+}
+
+impl LeaseBook {
+    /// An empty book.
+    pub fn new(local: PeerId, policy: LeasePolicy, capacity: Capacity) -> LeaseBook {
+        LeaseBook {
+            local,
+            policy,
+            capacity,
+            leases: BTreeMap::new(),
+            nonces: HashMap::new(),
+            changes: Vec::new(),
+        }
+    }
+
+    /// A book restored from storage after a restart: holds that were only offered are
+    /// released (their window was seconds), active leases whose end passed are completed,
+    /// and nonces are remembered so old requests cannot be replayed.
+    pub fn restore(
+        local: PeerId,
+        policy: LeasePolicy,
+        capacity: Capacity,
+        leases: Vec<LeaseRecord>,
+        nonces: Vec<(PeerId, u64, UnixMillis)>,
+        now: UnixMillis,
+    ) -> LeaseBook {
+        let mut book = LeaseBook::new(local, policy, capacity);
+        for l in leases {
+            book.leases.insert(l.terms.lease_id, l);
+        }
+        for (peer, nonce, until) in nonces {
+            book.nonces.insert((peer, nonce), until);
+        }
+        let ids: Vec<LeaseId> = book
+            .leases
+            .iter()
+            .filter(|(_, l)| l.state == LeaseState::Offered)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in ids {
+            book.set_state(id, LeaseState::Expired, now);
+        }
+        book.tick(now);
+        book
+    }
+
+    /// Changes to persist since the last call.
+    pub fn take_changes(&mut self) -> Vec<Change> {
+        std::mem::take(&mut self.changes)
+    }
+
+    /// A lease by id.
+    pub fn get(&self, id: &LeaseId) -> Option<&LeaseRecord> {
+        self.leases.get(id)
+    }
+
+    /// All leases, newest start first.
+    pub fn all(&self) -> Vec<&LeaseRecord> {
+        let mut v: Vec<&LeaseRecord> = self.leases.values().collect();
+        v.sort_by_key(|l| std::cmp::Reverse(l.terms.start_ms));
+        v
+    }
+
+    /// Finds the lease whose id starts with `prefix` (hex), if exactly one does.
+    pub fn resolve(&self, prefix: &str) -> Result<LeaseId, String> {
+        let prefix = prefix.trim().to_ascii_lowercase();
+        if prefix.len() < 4 {
+            return Err(format!(
+                "lease id '{prefix}' is too short: give at least 4 hex digits"
+            ));
+        }
+        let matches: Vec<LeaseId> = self
+            .leases
+            .keys()
+            .filter(|id| id.to_string().starts_with(&prefix))
+            .copied()
+            .collect();
+        match matches.as_slice() {
+            [one] => Ok(*one),
+            [] => Err(format!(
+                "no lease '{prefix}' on this node (see `gpunode leases`)"
+            )),
+            _ => Err(format!(
+                "lease id '{prefix}' is ambiguous: give more digits"
+            )),
+        }
+    }
+
+    /// Replaces what the provider has to lend (the inventory changed). Existing leases
+    /// stay; GPUs the owner took are simply not offered again.
+    pub fn set_capacity(&mut self, capacity: Capacity) {
+        self.capacity = capacity;
+    }
+
+    /// The provider's rules.
+    pub fn policy(&self) -> &LeasePolicy {
+        &self.policy
+    }
+
+    /// UUIDs of GPUs held by offered or active leases we provide.
+    pub fn committed_gpus(&self) -> HashSet<String> {
+        self.providing()
+            .flat_map(|l| l.terms.gpus.iter().map(|g| g.uuid.clone()))
+            .collect()
+    }
+
+    fn providing(&self) -> impl Iterator<Item = &LeaseRecord> {
+        self.leases
+            .values()
+            .filter(|l| l.role == LeaseRole::Provider && l.state.holds_resources())
+    }
+
+    fn set_state(&mut self, id: LeaseId, state: LeaseState, now: UnixMillis) {
+        if let Some(l) = self.leases.get_mut(&id) {
+            l.state = state;
+            l.updated_ms = now;
+            self.changes.push(Change::Lease(id));
+        }
+    }
+
+    /// Step 2 of a negotiation, as provider: check the request against policy and
+    /// capacity, pick concrete GPUs, hold them for the offer window, sign the terms.
+    pub fn on_request(
+        &mut self,
+        from: &PeerId,
+        req: &LeaseRequest,
+        lease_id: LeaseId,
+        key: &Keypair,
+        now: UnixMillis,
+    ) -> Result<(LeaseTerms, Vec<u8>), Rejection> {
+        if req.version != LEASE_VERSION {
+            return Err(reject(
+                RejectCode::InvalidRequest,
+                format!(
+                    "lease protocol version {} is not supported (this node speaks {LEASE_VERSION})",
+                    req.version
+                ),
+            ));
+        }
+        if req.requester != *from {
+            return Err(reject(
+                RejectCode::WrongKey,
+                format!(
+                    "request names requester {} but came from {from}",
+                    req.requester
+                ),
+            ));
+        }
+        signing::key_of(from, &req.requester_key)?;
+        if req.sent_at_ms > now + MAX_CLOCK_SKEW_MS {
+            return Err(reject(
+                RejectCode::ClockSkew,
+                format!(
+                    "your clock is {} ms ahead of the provider's (at most {MAX_CLOCK_SKEW_MS} ms is tolerated); fix your clock",
+                    req.sent_at_ms - now
+                ),
+            ));
+        }
+        if req.expires_at_ms <= now {
+            return Err(reject(
+                RejectCode::ClockSkew,
+                "the request had expired when it arrived; check your clock and retry",
+            ));
+        }
+        if self.nonces.contains_key(&(*from, req.nonce)) {
+            return Err(reject(
+                RejectCode::Replay,
+                "this request's nonce was used before (replayed request)",
+            ));
+        }
+        // The nonce is spent from here on, whatever the answer.
+        let keep_until = req.expires_at_ms.max(now) + MAX_CLOCK_SKEW_MS;
+        self.nonces.insert((*from, req.nonce), keep_until);
+        self.changes
+            .push(Change::Nonce(*from, req.nonce, keep_until));
+
+        self.check_policy(from, req)?;
+        let (gpus, cpus, mem) = self.allocate(from, req)?;
+        let terms = LeaseTerms {
+            version: LEASE_VERSION,
+            lease_id,
+            provider: self.local,
+            requester: *from,
+            gpus,
+            cpus,
+            mem_bytes: mem,
+            backend: req.requirements.backend.clone(),
+            start_ms: now,
+            end_ms: now + req.duration_ms,
+            price_per_gpu_hour_millicredits: self.policy.price_per_gpu_hour_millicredits,
+            request_nonce: req.nonce,
+            offer_expires_ms: now + self.policy.offer_window_ms,
+        };
+        let sig = terms.sign(key).map_err(|e| {
+            reject(
+                RejectCode::InvalidRequest,
+                format!("provider cannot sign: {e}"),
+            )
+        })?;
+        self.leases.insert(
+            lease_id,
+            LeaseRecord {
+                terms: terms.clone(),
+                provider_sig: sig.clone(),
+                requester_sig: None,
+                signed_end_ms: terms.end_ms,
+                renewals: Vec::new(),
+                role: LeaseRole::Provider,
+                state: LeaseState::Offered,
+                updated_ms: now,
+            },
+        );
+        self.changes.push(Change::Lease(lease_id));
+        Ok((terms, sig))
+    }
+
+    fn check_policy(&self, from: &PeerId, req: &LeaseRequest) -> Result<(), Rejection> {
+        let p = &self.policy;
+        if p.deny_peers.contains(from)
+            || (!p.allow_peers.is_empty() && !p.allow_peers.contains(from))
+        {
+            return Err(reject(
+                RejectCode::PeerNotAllowed,
+                "this provider does not lend to your peer id",
+            ));
+        }
+        if !p
+            .backends
+            .iter()
+            .any(|b| b.eq_ignore_ascii_case(&req.requirements.backend))
+        {
+            return Err(reject(
+                RejectCode::BackendUnsupported,
+                format!(
+                    "backend '{}' is not offered here; this provider offers {}",
+                    req.requirements.backend,
+                    p.backends.join(", ")
+                ),
+            ));
+        }
+        if req.duration_ms < 1000 || req.duration_ms > p.max_duration_ms {
+            return Err(reject(
+                RejectCode::DurationOutOfPolicy,
+                format!(
+                    "duration {} s is outside this provider's limit of 1 s to {} s",
+                    req.duration_ms / 1000,
+                    p.max_duration_ms / 1000
+                ),
+            ));
+        }
+        if let Some(max) = req.max_price_per_gpu_hour_millicredits {
+            if p.price_per_gpu_hour_millicredits > max {
+                return Err(reject(
+                    RejectCode::PriceTooHigh,
+                    format!(
+                        "price is {:.3} credits per GPU-hour, above your maximum of {:.3}",
+                        p.price_per_gpu_hour_millicredits as f64 / 1000.0,
+                        max as f64 / 1000.0
+                    ),
+                ));
+            }
+        }
+        let held: u32 = self
+            .providing()
+            .filter(|l| l.terms.requester == *from)
+            .map(|l| l.terms.gpus.len() as u32)
+            .sum();
+        if held.saturating_add(req.requirements.gpus) > p.max_gpus_per_peer {
+            return Err(reject(
+                RejectCode::PeerGpuLimit,
+                format!(
+                    "you hold {held} GPUs here and may hold at most {} at once",
+                    p.max_gpus_per_peer
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    fn allocate(
+        &self,
+        _from: &PeerId,
+        req: &LeaseRequest,
+    ) -> Result<(Vec<LeasedGpu>, u32, u64), Rejection> {
+        let r = &req.requirements;
+        let committed = self.committed_gpus();
+        let filter = OfferFilter {
+            gpu_model: r.gpu_model.clone(),
+            min_gpu_mem_bytes: r.min_gpu_mem_bytes,
+            gpus: None,
+            backend: None,
+        };
+        let free: Vec<_> = self
+            .capacity
+            .gpus
+            .iter()
+            .filter(|g| g.available && !committed.contains(&g.uuid))
+            .collect();
+        let mut fitting: Vec<_> = free
+            .iter()
+            .filter(|g| filter.gpu_matches(&g.model, g.memory_bytes))
+            .collect();
+        if (fitting.len() as u32) < r.gpus {
+            let what = match (&r.gpu_model, r.min_gpu_mem_bytes) {
+                (Some(m), Some(mem)) => format!("{m} GPU with {} free", format_bytes(mem)),
+                (Some(m), None) => format!("{m} GPU free"),
+                (None, Some(mem)) => format!("GPU with {} free", format_bytes(mem)),
+                (None, None) => "GPU free".to_string(),
+            };
+            let largest = free.iter().map(|g| g.memory_bytes).max();
+            let hint = match largest {
+                Some(l) if r.min_gpu_mem_bytes.is_some() => {
+                    format!("; largest free is {}", format_bytes(l))
+                }
+                _ => format!("; {} of {} GPUs free", free.len(), self.capacity.gpus.len()),
+            };
+            let need = if r.gpus == 1 {
+                format!("no {what}")
+            } else {
+                format!("needs {} x {what}, found {}", r.gpus, fitting.len())
+            };
+            return Err(reject(RejectCode::NoCapacity, format!("{need}{hint}")));
+        }
+        // Smallest sufficient GPUs first, so big ones stay for big requests.
+        fitting.sort_by_key(|g| (g.memory_bytes, g.index));
+        let gpus = fitting
+            .iter()
+            .take(r.gpus as usize)
+            .map(|g| LeasedGpu {
+                index: g.index,
+                uuid: g.uuid.clone(),
+                model: g.model.clone(),
+                memory_bytes: g.memory_bytes,
+            })
+            .collect();
+        let used_cpus: u32 = self.providing().map(|l| l.terms.cpus).sum();
+        let used_mem: u64 = self.providing().map(|l| l.terms.mem_bytes).sum();
+        let free_cpus = self.capacity.cpus.saturating_sub(used_cpus);
+        let free_mem = self.capacity.mem_bytes.saturating_sub(used_mem);
+        if r.cpus > free_cpus {
+            return Err(reject(
+                RejectCode::NoCapacity,
+                format!("needs {} CPU cores; {free_cpus} are free", r.cpus),
+            ));
+        }
+        if r.mem_bytes > free_mem {
+            return Err(reject(
+                RejectCode::NoCapacity,
+                format!(
+                    "needs {} of RAM; {} is free",
+                    format_bytes(r.mem_bytes),
+                    format_bytes(free_mem)
+                ),
+            ));
+        }
+        Ok((gpus, r.cpus, r.mem_bytes))
+    }
+
+    /// Step 4, as provider: verify the countersigned terms against the hold and activate.
+    pub fn on_accept(
+        &mut self,
+        from: &PeerId,
+        terms: &LeaseTerms,
+        provider_sig: &[u8],
+        requester_sig: &[u8],
+        now: UnixMillis,
+    ) -> Result<LeaseId, Rejection> {
+        let id = terms.lease_id;
+        let Some(held) = self
+            .leases
+            .get(&id)
+            .filter(|l| l.role == LeaseRole::Provider)
+        else {
+            return Err(reject(
+                RejectCode::UnknownLease,
+                format!("no offer {id} is held here"),
+            ));
+        };
+        if held.terms.requester != *from || terms.requester != *from {
+            return Err(reject(
+                RejectCode::UnknownLease,
+                format!("offer {id} was not made to you"),
+            ));
+        }
+        if held.state != LeaseState::Offered {
+            return Err(reject(
+                RejectCode::WrongState,
+                format!("lease {id} is {}, not offered", held.state.label()),
+            ));
+        }
+        if held.terms != *terms {
+            return Err(reject(
+                RejectCode::TermsAltered,
+                "the accepted terms differ from the offered ones",
+            ));
+        }
+        terms.verify(&self.local, provider_sig)?;
+        if held.provider_sig != provider_sig {
+            return Err(reject(
+                RejectCode::BadSignature,
+                "the provider signature is not the one offered",
+            ));
+        }
+        terms.verify(from, requester_sig)?;
+        if now > terms.offer_expires_ms {
+            self.set_state(id, LeaseState::Expired, now);
+            return Err(reject(
+                RejectCode::OfferExpired,
+                format!(
+                    "the offer expired {} ms before the accept arrived; request again",
+                    now - terms.offer_expires_ms
+                ),
+            ));
+        }
+        if let Some(l) = self.leases.get_mut(&id) {
+            l.requester_sig = Some(requester_sig.to_vec());
+        }
+        self.set_state(id, LeaseState::Active, now);
+        Ok(id)
+    }
+
+    /// As provider: extend an active lease within policy; returns our signature.
+    pub fn on_renew(
+        &mut self,
+        from: &PeerId,
+        renewal: &Renewal,
+        requester_sig: &[u8],
+        key: &Keypair,
+        now: UnixMillis,
+    ) -> Result<Vec<u8>, Rejection> {
+        let id = renewal.lease_id;
+        let Some(l) = self
+            .leases
+            .get(&id)
+            .filter(|l| l.role == LeaseRole::Provider)
+        else {
+            return Err(reject(
+                RejectCode::UnknownLease,
+                format!("no lease {id} here"),
+            ));
+        };
+        if l.terms.requester != *from {
+            return Err(reject(
+                RejectCode::UnknownLease,
+                format!("lease {id} is not yours"),
+            ));
+        }
+        if l.state != LeaseState::Active || l.terms.end_ms <= now {
+            return Err(reject(
+                RejectCode::WrongState,
+                format!("lease {id} is not active"),
+            ));
+        }
+        renewal.verify(from, requester_sig)?;
+        if self.nonces.contains_key(&(*from, renewal.nonce)) {
+            return Err(reject(
+                RejectCode::Replay,
+                "this renewal's nonce was used before",
+            ));
+        }
+        if renewal.new_end_ms <= l.terms.end_ms {
+            return Err(reject(
+                RejectCode::InvalidRequest,
+                "a renewal must move the end later",
+            ));
+        }
+        if renewal.new_end_ms - l.terms.start_ms > self.policy.max_duration_ms {
+            return Err(reject(
+                RejectCode::DurationOutOfPolicy,
+                format!(
+                    "the lease would last {} s; this provider allows at most {} s",
+                    (renewal.new_end_ms - l.terms.start_ms) / 1000,
+                    self.policy.max_duration_ms / 1000
+                ),
+            ));
+        }
+        let provider_sig = renewal
+            .sign(key)
+            .map_err(|e| reject(RejectCode::InvalidRequest, e.to_string()))?;
+        let keep_until = renewal.new_end_ms + MAX_CLOCK_SKEW_MS;
+        self.nonces.insert((*from, renewal.nonce), keep_until);
+        self.changes
+            .push(Change::Nonce(*from, renewal.nonce, keep_until));
+        if let Some(l) = self.leases.get_mut(&id) {
+            l.terms.end_ms = renewal.new_end_ms;
+            l.renewals.push(SignedRenewal {
+                renewal: renewal.clone(),
+                requester_sig: requester_sig.to_vec(),
+                provider_sig: provider_sig.clone(),
+            });
+        }
+        self.set_state(id, LeaseState::Active, now);
+        Ok(provider_sig)
+    }
+
+    /// Either side: a signed cancellation from the other party (or ourselves) ends an
+    /// offered or active lease and releases its resources at once.
+    pub fn on_cancel(
+        &mut self,
+        from: &PeerId,
+        cancellation: &Cancellation,
+        signature: &[u8],
+        now: UnixMillis,
+    ) -> Result<(), Rejection> {
+        let id = cancellation.lease_id;
+        let Some(l) = self.leases.get(&id) else {
+            return Err(reject(
+                RejectCode::UnknownLease,
+                format!("no lease {id} here"),
+            ));
+        };
+        let parties = [l.terms.provider, l.terms.requester];
+        if cancellation.by != *from || !parties.contains(from) {
+            return Err(reject(
+                RejectCode::UnknownLease,
+                format!("lease {id} is not yours to cancel"),
+            ));
+        }
+        cancellation.verify(signature)?;
+        if !l.state.holds_resources() {
+            return Err(reject(
+                RejectCode::WrongState,
+                format!("lease {id} is already {}", l.state.label()),
+            ));
+        }
+        self.set_state(id, LeaseState::Cancelled, now);
+        Ok(())
+    }
+
+    /// As requester: remember a lease the provider activated.
+    pub fn record_requester_lease(
+        &mut self,
+        terms: LeaseTerms,
+        provider_sig: Vec<u8>,
+        requester_sig: Vec<u8>,
+        now: UnixMillis,
+    ) {
+        let id = terms.lease_id;
+        self.leases.insert(
+            id,
+            LeaseRecord {
+                signed_end_ms: terms.end_ms,
+                terms,
+                provider_sig,
+                requester_sig: Some(requester_sig),
+                renewals: Vec::new(),
+                role: LeaseRole::Requester,
+                state: LeaseState::Active,
+                updated_ms: now,
+            },
+        );
+        self.changes.push(Change::Lease(id));
+    }
+
+    /// As requester: apply a renewal the provider signed.
+    pub fn apply_renewal(
+        &mut self,
+        signed: SignedRenewal,
+        now: UnixMillis,
+    ) -> Result<(), Rejection> {
+        let id = signed.renewal.lease_id;
+        let Some(l) = self.leases.get_mut(&id) else {
+            return Err(reject(
+                RejectCode::UnknownLease,
+                format!("no lease {id} here"),
+            ));
+        };
+        signed
+            .renewal
+            .verify(&l.terms.provider, &signed.provider_sig)?;
+        l.terms.end_ms = signed.renewal.new_end_ms;
+        l.renewals.push(signed);
+        self.set_state(id, LeaseState::Active, now);
+        Ok(())
+    }
+
+    /// Marks a lease failed (e.g. the provider vanished during set-up).
+    pub fn mark_failed(&mut self, id: LeaseId, now: UnixMillis) {
+        self.set_state(id, LeaseState::Failed, now);
+    }
+
+    /// Moves time forward: offers past their window expire (holds released), active
+    /// leases past their end complete, spent nonces past any use are forgotten.
+    pub fn tick(&mut self, now: UnixMillis) -> Vec<LeaseId> {
+        let mut changed = Vec::new();
+        let due: Vec<(LeaseId, LeaseState)> = self
+            .leases
+            .iter()
+            .filter_map(|(id, l)| match l.state {
+                LeaseState::Offered if now > l.terms.offer_expires_ms => {
+                    Some((*id, LeaseState::Expired))
+                }
+                LeaseState::Active if now >= l.terms.end_ms => Some((*id, LeaseState::Completed)),
+                _ => None,
+            })
+            .collect();
+        for (id, state) in due {
+            self.set_state(id, state, now);
+            changed.push(id);
+        }
+        let old: Vec<(PeerId, u64)> = self
+            .nonces
+            .iter()
+            .filter(|(_, until)| **until < now)
+            .map(|(k, _)| *k)
+            .collect();
+        for (peer, nonce) in old {
+            self.nonces.remove(&(peer, nonce));
+            self.changes.push(Change::ForgetNonce(peer, nonce));
+        }
+        changed
+    }
+
+    /// When the next offer window or lease end falls due, if any.
+    pub fn next_deadline(&self) -> Option<UnixMillis> {
+        self.leases
+            .values()
+            .filter_map(|l| match l.state {
+                LeaseState::Offered => Some(l.terms.offer_expires_ms + 1),
+                LeaseState::Active => Some(l.terms.end_ms),
+                _ => None,
+            })
+            .min()
+    }
+
+    /// Resources committed by offered and active leases we provide: (GPUs, CPUs, RAM).
+    pub fn committed_totals(&self) -> (usize, u32, u64) {
+        let mut gpus = 0;
+        let mut cpus = 0;
+        let mut mem = 0;
+        for l in self.providing() {
+            gpus += l.terms.gpus.len();
+            cpus += l.terms.cpus;
+            mem += l.terms.mem_bytes;
+        }
+        (gpus, cpus, mem)
+    }
+
+    /// The capacity the book lends from.
+    pub fn capacity(&self) -> &Capacity {
+        &self.capacity
+    }
+
+    /// Remembered nonces (for tests and persistence checks).
+    pub fn nonce_count(&self) -> usize {
+        self.nonces.len()
+    }
+}
+
+#[cfg(test)]
+#[path = "book_tests.rs"]
+mod tests;

@@ -1,0 +1,16 @@
+//! Leases on the node side.
+//!
+//! [`book::LeaseBook`] is the state machine (request -> offered -> active -> completed |
+//! expired | cancelled | failed), plain code driven by messages and `now`, unit-tested
+//! without a network; it never over-commits because every change goes through it on
+//! the event loop. [`codec`] puts lease messages on a libp2p request-response stream
+//! with hard size limits. [`negotiate`] is the requester's side of a negotiation.
+
+pub mod book;
+pub mod codec;
+pub mod negotiate;
+pub mod persist;
+pub mod policy;
+
+pub use book::{LeaseBook, LeaseRecord, LeaseRole, LeaseState};
+pub use policy::{Capacity, GpuSlot, LeasePolicy};

@@ -1,0 +1,541 @@
+//! The requester's side of a lease negotiation: ask candidates in order, check each
+//! offer against what was asked, countersign the first firm one, and record the lease.
+
+use std::time::Duration;
+
+use gpunode_protocol::advert::OfferFilter;
+use gpunode_protocol::lease::{
+    LeaseMessage, LeaseReply, LeaseRequest, LeaseTerms, RejectCode, Rejection, Renewal,
+    Requirements, LEASE_VERSION,
+};
+use gpunode_protocol::time::{now_ms, UnixMillis, MAX_CLOCK_SKEW_MS};
+use gpunode_protocol::PeerId;
+use libp2p::Multiaddr;
+
+use crate::event_loop::Command;
+use crate::lease::book::{LeaseRole, LeaseState, SignedRenewal};
+use crate::views::{CancelOutcome, LeaseSpec, LeaseView};
+use crate::{NodeError, NodeHandle};
+
+/// How long a lease request stays valid.
+const REQUEST_TTL_MS: u64 = 30_000;
+
+/// Why a lease could not be had, renewed or cancelled.
+#[derive(Debug, thiserror::Error)]
+pub enum LeaseError {
+    /// The request itself is not usable.
+    #[error("{0}")]
+    Invalid(String),
+    /// No provider offers what was asked.
+    #[error("no provider offers {0}; see `gpunode offers` for what is available")]
+    NoProviders(String),
+    /// Every candidate refused or failed.
+    #[error("no provider granted the lease:{}", .0.iter().map(|(p, m)| format!("\n  {p}: {m}")).collect::<String>())]
+    AllRefused(Vec<(String, String)>),
+    /// The other party refused.
+    #[error("{0}")]
+    Refused(Rejection),
+    /// No such lease, or not in a state for this.
+    #[error("{0}")]
+    NotFound(String),
+    /// The node failed.
+    #[error(transparent)]
+    Node(#[from] NodeError),
+}
+
+impl NodeHandle {
+    /// Sends one lease message to `peer` and waits for the answer.
+    pub async fn send_lease(
+        &self,
+        peer: PeerId,
+        addrs: Vec<Multiaddr>,
+        message: LeaseMessage,
+    ) -> Result<Result<LeaseReply, String>, NodeError> {
+        let first = self
+            .ask(|reply| Command::SendLease {
+                peer,
+                addrs: addrs.clone(),
+                message: message.clone(),
+                reply,
+            })
+            .await?;
+        match first {
+            // A dial already under way to an address the peer no longer uses (after a
+            // restart, say) fails our request with it; the retry dials the new address.
+            Err(e) if e.contains("dial") => {
+                self.ask(|reply| Command::SendLease {
+                    peer,
+                    addrs,
+                    message,
+                    reply,
+                })
+                .await
+            }
+            other => Ok(other),
+        }
+    }
+
+    /// Current adverts of known peers (for their addresses and offers).
+    pub async fn find_adverts(
+        &self,
+        peers: Vec<PeerId>,
+    ) -> Result<Vec<crate::OfferView>, NodeError> {
+        Ok(self
+            .ask(|reply| Command::FindAdverts { peers, reply })
+            .await?
+            .offers)
+    }
+
+    async fn addresses_of(&self, peer: PeerId) -> Vec<Multiaddr> {
+        self.find_adverts(vec![peer])
+            .await
+            .ok()
+            .and_then(|v| v.into_iter().next())
+            .map(|o| {
+                o.listen_addrs
+                    .iter()
+                    .filter_map(|a| a.parse().ok())
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// Finds a provider (or asks the named one), negotiates and records a lease.
+    pub async fn request_lease(&self, spec: LeaseSpec) -> Result<LeaseView, LeaseError> {
+        if spec.duration_ms == 0 {
+            return Err(LeaseError::Invalid(
+                "a lease needs a duration, e.g. --duration 30m".into(),
+            ));
+        }
+        let max_price = match spec.max_price {
+            Some(p) if !(p.is_finite() && p >= 0.0) => {
+                return Err(LeaseError::Invalid(format!("invalid maximum price {p}")))
+            }
+            Some(p) => Some((p * 1000.0).round() as u64),
+            None => None,
+        };
+        let candidates: Vec<(PeerId, Vec<Multiaddr>)> = match &spec.peer {
+            Some(p) => {
+                let peer: PeerId = p.parse().map_err(|_| {
+                    LeaseError::Invalid(format!("'{p}' is not a peer id (12D3KooW...)"))
+                })?;
+                vec![(peer, self.addresses_of(peer).await)]
+            }
+            None => {
+                let filter = OfferFilter {
+                    gpu_model: spec.gpu_model.clone(),
+                    min_gpu_mem_bytes: spec.min_gpu_mem_bytes,
+                    gpus: Some(spec.gpus),
+                    backend: Some(spec.backend.clone()),
+                };
+                let mut offers = self.find_offers(filter.clone()).await?;
+                offers.retain(|o| {
+                    max_price.is_none_or(|m| (o.price_per_gpu_hour * 1000.0).round() as u64 <= m)
+                });
+                // Providers that advertise enough idle matching GPUs first (cheapest
+                // first within each group); the rest may have freed some meanwhile.
+                let idle_enough = |o: &crate::OfferView| {
+                    o.gpus
+                        .iter()
+                        .filter(|g| {
+                            g.state == gpunode_protocol::gpu::GpuState::Idle
+                                && filter.gpu_matches(&g.model, g.memory_bytes)
+                        })
+                        .count()
+                        >= spec.gpus as usize
+                };
+                offers.sort_by_key(|o| !idle_enough(o));
+                offers
+                    .iter()
+                    .filter_map(|o| {
+                        let peer = o.peer_id.parse().ok()?;
+                        Some((
+                            peer,
+                            o.listen_addrs
+                                .iter()
+                                .filter_map(|a| a.parse().ok())
+                                .collect(),
+                        ))
+                    })
+                    .collect()
+            }
+        };
+        if candidates.is_empty() {
+            return Err(LeaseError::NoProviders(describe(&spec)));
+        }
+        let mut refusals = Vec::new();
+        for (peer, addrs) in candidates {
+            match self.negotiate_with(peer, addrs, &spec, max_price).await? {
+                Ok(view) => return Ok(view),
+                Err(why) => refusals.push((peer.to_string(), why)),
+            }
+        }
+        Err(LeaseError::AllRefused(refusals))
+    }
+
+    async fn negotiate_with(
+        &self,
+        peer: PeerId,
+        addrs: Vec<Multiaddr>,
+        spec: &LeaseSpec,
+        max_price: Option<u64>,
+    ) -> Result<Result<LeaseView, String>, NodeError> {
+        let now = now_ms();
+        let req = LeaseRequest {
+            version: LEASE_VERSION,
+            requester: self.peer_id,
+            requester_key: self.keypair.public().encode_protobuf(),
+            nonce: rand::random(),
+            requirements: Requirements {
+                gpus: spec.gpus,
+                gpu_model: spec.gpu_model.clone(),
+                min_gpu_mem_bytes: spec.min_gpu_mem_bytes,
+                cpus: spec.cpus,
+                mem_bytes: spec.mem_bytes,
+                backend: spec.backend.clone(),
+            },
+            duration_ms: spec.duration_ms,
+            max_price_per_gpu_hour_millicredits: max_price,
+            sent_at_ms: now,
+            expires_at_ms: now + REQUEST_TTL_MS,
+        };
+        let (terms, provider_sig) = match self
+            .send_lease(peer, addrs.clone(), LeaseMessage::Request(req.clone()))
+            .await?
+        {
+            Ok(LeaseReply::Offer {
+                terms,
+                provider_sig,
+            }) => (terms, provider_sig),
+            Ok(LeaseReply::Rejected(r)) => return Ok(Err(r.message)),
+            Ok(other) => return Ok(Err(format!("unexpected answer {other:?}"))),
+            Err(e) => return Ok(Err(e)),
+        };
+        if let Err(r) = check_offer(&req, &peer, &terms, &provider_sig, now_ms()) {
+            return Ok(Err(format!("offer refused: {}", r.message)));
+        }
+        let requester_sig = match terms.sign(&self.keypair) {
+            Ok(s) => s,
+            Err(e) => return Ok(Err(e.to_string())),
+        };
+        let accept = LeaseMessage::Accept {
+            terms: terms.clone(),
+            provider_sig: provider_sig.clone(),
+            requester_sig: requester_sig.clone(),
+        };
+        match self.send_lease(peer, addrs, accept).await? {
+            Ok(LeaseReply::Activated { lease_id }) if lease_id == terms.lease_id => {}
+            Ok(LeaseReply::Rejected(r)) => return Ok(Err(r.message)),
+            Ok(other) => return Ok(Err(format!("unexpected answer {other:?}"))),
+            Err(e) => return Ok(Err(e)),
+        }
+        let record = self
+            .ask(|reply| Command::RecordLease {
+                terms,
+                provider_sig,
+                requester_sig,
+                reply,
+            })
+            .await?;
+        Ok(record.map(|r| LeaseView::from(&r)))
+    }
+
+    /// Every lease on this node, either side, newest first.
+    pub async fn list_leases(&self) -> Result<Vec<LeaseView>, NodeError> {
+        let records = self.ask(Command::ListLeases).await?;
+        Ok(records.iter().map(LeaseView::from).collect())
+    }
+
+    /// Extends an active lease we hold as requester by `extend`.
+    pub async fn renew_lease(
+        &self,
+        prefix: &str,
+        extend: Duration,
+    ) -> Result<LeaseView, LeaseError> {
+        let prefix = prefix.to_string();
+        let record = self
+            .ask(|reply| Command::ResolveLease { prefix, reply })
+            .await?
+            .map_err(LeaseError::NotFound)?;
+        if record.role != LeaseRole::Requester {
+            return Err(LeaseError::Invalid(
+                "only the requester renews a lease; this node is its provider".into(),
+            ));
+        }
+        if record.state != LeaseState::Active {
+            return Err(LeaseError::NotFound(format!(
+                "lease {} is {}, not active",
+                record.terms.lease_id,
+                record.state.label()
+            )));
+        }
+        let renewal = Renewal {
+            lease_id: record.terms.lease_id,
+            new_end_ms: record.terms.end_ms + extend.as_millis() as u64,
+            nonce: rand::random(),
+        };
+        let signature = renewal
+            .sign(&self.keypair)
+            .map_err(|e| LeaseError::Invalid(e.to_string()))?;
+        let provider = record.terms.provider;
+        let addrs = self.addresses_of(provider).await;
+        let message = LeaseMessage::Renew {
+            renewal: renewal.clone(),
+            signature: signature.clone(),
+        };
+        match self.send_lease(provider, addrs, message).await? {
+            Ok(LeaseReply::Renewed {
+                provider_sig,
+                new_end_ms,
+                ..
+            }) if new_end_ms == renewal.new_end_ms => {
+                let signed = SignedRenewal {
+                    renewal,
+                    requester_sig: signature,
+                    provider_sig,
+                };
+                let record = self
+                    .ask(|reply| Command::ApplyRenewal { signed, reply })
+                    .await?
+                    .map_err(LeaseError::Invalid)?;
+                Ok(LeaseView::from(&record))
+            }
+            Ok(LeaseReply::Rejected(r)) => Err(LeaseError::Refused(r)),
+            Ok(other) => Err(LeaseError::Invalid(format!("unexpected answer {other:?}"))),
+            Err(e) => Err(LeaseError::Invalid(e)),
+        }
+    }
+
+    /// Cancels a lease (either side): released here at once, then the other party is told.
+    pub async fn cancel_lease(&self, prefix: &str) -> Result<CancelOutcome, LeaseError> {
+        let prefix = prefix.to_string();
+        let (record, cancellation, signature) = self
+            .ask(|reply| Command::CancelLocal { prefix, reply })
+            .await?
+            .map_err(|r| match r.code {
+                RejectCode::UnknownLease | RejectCode::WrongState => {
+                    LeaseError::NotFound(r.message)
+                }
+                _ => LeaseError::Refused(r),
+            })?;
+        let peer = record.peer();
+        let addrs = self.addresses_of(peer).await;
+        let answer = self
+            .send_lease(
+                peer,
+                addrs,
+                LeaseMessage::Cancel {
+                    cancellation,
+                    signature,
+                },
+            )
+            .await?;
+        let (peer_notified, peer_error) = match answer {
+            Ok(LeaseReply::Cancelled { .. }) => (true, None),
+            Ok(LeaseReply::Rejected(r)) => (false, Some(r.message)),
+            Ok(other) => (false, Some(format!("unexpected answer {other:?}"))),
+            Err(e) => (false, Some(e)),
+        };
+        Ok(CancelOutcome {
+            lease: LeaseView::from(&record),
+            peer_notified,
+            peer_error,
+        })
+    }
+}
+
+fn describe(spec: &LeaseSpec) -> String {
+    let mut s = format!("{} GPU(s)", spec.gpus);
+    if let Some(m) = &spec.gpu_model {
+        s.push_str(&format!(" of model {m}"));
+    }
+    if let Some(mem) = spec.min_gpu_mem_bytes {
+        s.push_str(&format!(
+            " with {}",
+            gpunode_protocol::units::format_bytes(mem)
+        ));
+    }
+    s.push_str(&format!(" on backend {}", spec.backend));
+    s
+}
+
+/// Checks a provider's offer against the request it answers.
+pub fn check_offer(
+    req: &LeaseRequest,
+    provider: &PeerId,
+    terms: &LeaseTerms,
+    provider_sig: &[u8],
+    now: UnixMillis,
+) -> Result<(), Rejection> {
+    let bad = |m: String| Err(Rejection::new(RejectCode::TermsAltered, m));
+    if terms.provider != *provider {
+        return bad(format!(
+            "offer names provider {} but came from {provider}",
+            terms.provider
+        ));
+    }
+    if terms.requester != req.requester || terms.request_nonce != req.nonce {
+        return bad("offer answers another request".to_string());
+    }
+    terms.verify(provider, provider_sig)?;
+    let r = &req.requirements;
+    if terms.gpus.len() != r.gpus as usize {
+        return bad(format!(
+            "offer has {} GPUs, {} were asked for",
+            terms.gpus.len(),
+            r.gpus
+        ));
+    }
+    let filter = OfferFilter {
+        gpu_model: r.gpu_model.clone(),
+        min_gpu_mem_bytes: r.min_gpu_mem_bytes,
+        gpus: None,
+        backend: None,
+    };
+    if let Some(g) = terms
+        .gpus
+        .iter()
+        .find(|g| !filter.gpu_matches(&g.model, g.memory_bytes))
+    {
+        return bad(format!(
+            "offered GPU {} ({}) does not match the request",
+            g.uuid, g.model
+        ));
+    }
+    let mut uuids: Vec<&str> = terms.gpus.iter().map(|g| g.uuid.as_str()).collect();
+    uuids.sort();
+    uuids.dedup();
+    if uuids.len() != terms.gpus.len() {
+        return bad("offer names the same GPU twice".to_string());
+    }
+    if terms.cpus < r.cpus || terms.mem_bytes < r.mem_bytes || terms.backend != r.backend {
+        return bad("offer gives less CPU, RAM or another backend than asked".to_string());
+    }
+    if terms.end_ms.saturating_sub(terms.start_ms) != req.duration_ms {
+        return bad("offer's duration differs from the request".to_string());
+    }
+    if let Some(max) = req.max_price_per_gpu_hour_millicredits {
+        if terms.price_per_gpu_hour_millicredits > max {
+            return Err(Rejection::new(
+                RejectCode::PriceTooHigh,
+                "offer is above the maximum price",
+            ));
+        }
+    }
+    if terms.start_ms > now + MAX_CLOCK_SKEW_MS
+        || terms.start_ms + MAX_CLOCK_SKEW_MS < req.sent_at_ms
+    {
+        return Err(Rejection::new(
+            RejectCode::ClockSkew,
+            "the provider's clock differs from ours by more than the tolerated skew",
+        ));
+    }
+    if terms.offer_expires_ms + MAX_CLOCK_SKEW_MS < now {
+        return Err(Rejection::new(
+            RejectCode::OfferExpired,
+            "the offer arrived after its window",
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lease::book::LeaseBook;
+    use crate::lease::policy::{Capacity, GpuSlot, LeasePolicy};
+    use gpunode_protocol::lease::{LeaseId, Requirements, LEASE_VERSION};
+    use gpunode_protocol::Keypair;
+
+    const NOW: UnixMillis = 1_800_000_000_000;
+
+    fn setup() -> (Keypair, Keypair, LeaseRequest, LeaseTerms, Vec<u8>) {
+        let provider = Keypair::generate_ed25519();
+        let requester = Keypair::generate_ed25519();
+        let mut book = LeaseBook::new(
+            provider.public().to_peer_id(),
+            LeasePolicy::default(),
+            Capacity {
+                gpus: vec![GpuSlot {
+                    index: 0,
+                    uuid: "GPU-0".into(),
+                    model: "A100-80GB".into(),
+                    memory_bytes: 80 << 30,
+                    available: true,
+                }],
+                cpus: 8,
+                mem_bytes: 32 << 30,
+            },
+        );
+        let req = LeaseRequest {
+            version: LEASE_VERSION,
+            requester: requester.public().to_peer_id(),
+            requester_key: requester.public().encode_protobuf(),
+            nonce: 9,
+            requirements: Requirements {
+                gpus: 1,
+                gpu_model: Some("A100".into()),
+                min_gpu_mem_bytes: Some(40 << 30),
+                cpus: 2,
+                mem_bytes: 1 << 30,
+                backend: "wasm".into(),
+            },
+            duration_ms: 60_000,
+            max_price_per_gpu_hour_millicredits: Some(1000),
+            sent_at_ms: NOW,
+            expires_at_ms: NOW + 30_000,
+        };
+        let (terms, sig) = book
+            .on_request(&req.requester, &req, LeaseId([3; 16]), &provider, NOW)
+            .unwrap();
+        (provider, requester, req, terms, sig)
+    }
+
+    #[test]
+    fn honest_offer_passes() {
+        let (p, _, req, terms, sig) = setup();
+        assert!(check_offer(&req, &p.public().to_peer_id(), &terms, &sig, NOW + 5).is_ok());
+    }
+
+    #[test]
+    fn altered_or_foreign_offers_fail() {
+        let (p, _, req, terms, sig) = setup();
+        let pid = p.public().to_peer_id();
+        let other = Keypair::generate_ed25519().public().to_peer_id();
+        assert!(check_offer(&req, &other, &terms, &sig, NOW).is_err());
+        let mut t = terms.clone();
+        t.price_per_gpu_hour_millicredits = 5000;
+        let s = t.sign(&p).unwrap();
+        assert_eq!(
+            check_offer(&req, &pid, &t, &s, NOW).unwrap_err().code,
+            RejectCode::PriceTooHigh
+        );
+        let mut t = terms.clone();
+        t.end_ms += 1;
+        assert_eq!(
+            check_offer(&req, &pid, &t, &sig, NOW).unwrap_err().code,
+            RejectCode::BadSignature
+        );
+        let s = t.sign(&p).unwrap();
+        assert_eq!(
+            check_offer(&req, &pid, &t, &s, NOW).unwrap_err().code,
+            RejectCode::TermsAltered
+        );
+        let mut t = terms.clone();
+        t.gpus[0].memory_bytes = 16 << 30;
+        let s = t.sign(&p).unwrap();
+        assert!(check_offer(&req, &pid, &t, &s, NOW).is_err());
+        assert_eq!(
+            check_offer(
+                &req,
+                &pid,
+                &terms,
+                &sig,
+                terms.offer_expires_ms + MAX_CLOCK_SKEW_MS + 1
+            )
+            .unwrap_err()
+            .code,
+            RejectCode::OfferExpired
+        );
+    }
+}

@@ -1,0 +1,423 @@
+//! Lease negotiation between real nodes on 127.0.0.1: races for the last GPU, and hostile
+//! lease messages that must be refused without harming the provider.
+
+use std::time::Duration;
+
+use futures::{AsyncReadExt, AsyncWriteExt, StreamExt};
+use gpunode_node::lease::{LeaseRole, LeaseState};
+use gpunode_node::{LeaseError, LeaseSpec, NodeConfig};
+use gpunode_protocol::advert::OfferFilter;
+use gpunode_protocol::encoding;
+use gpunode_protocol::lease::{
+    decode_reply, LeaseMessage, LeaseReply, LeaseRequest, RejectCode, Requirements, LEASE_VERSION,
+    MAX_LEASE_MESSAGE_BYTES,
+};
+use gpunode_protocol::time::now_ms;
+use libp2p::request_response::{self, Codec, ProtocolSupport};
+use libp2p::swarm::SwarmEvent;
+use libp2p::{identity, Multiaddr, PeerId, StreamProtocol};
+use testnet::{TestNet, TestNetConfig};
+
+fn spec(peer: Option<String>) -> LeaseSpec {
+    LeaseSpec {
+        peer,
+        gpus: 1,
+        gpu_model: Some("A100".into()),
+        min_gpu_mem_bytes: None,
+        cpus: 1,
+        mem_bytes: 1 << 30,
+        backend: "wasm".into(),
+        duration_ms: 600_000,
+        max_price: None,
+    }
+}
+
+fn cheap_first(i: usize, c: &mut NodeConfig) {
+    c.price_per_gpu_hour = if i == 0 { 0.5 } else { 2.0 };
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_requesters_race_for_the_last_gpu() {
+    let mut config =
+        TestNetConfig::new(vec![Some("1xA100-80GB".into()), Some("1xA100-40GB".into())]);
+    config.tweak = Some(cheap_first);
+    let net = TestNet::start(config).await.expect("start");
+    let (alice, bob) = (
+        net.client().await.expect("client"),
+        net.client().await.expect("client"),
+    );
+    let a100 = OfferFilter {
+        gpu_model: Some("A100".into()),
+        ..OfferFilter::default()
+    };
+    TestNet::wait_for_offers(&alice.handle, &a100, Duration::from_secs(20), |o| {
+        o.len() == 2
+    })
+    .await
+    .expect("both providers visible");
+    TestNet::wait_for_offers(&bob.handle, &a100, Duration::from_secs(20), |o| {
+        o.len() == 2
+    })
+    .await
+    .expect("both providers visible");
+    let cheap = net.nodes[0].handle.peer_id().to_string();
+    // Both ask the cheap provider for its only GPU at the same moment.
+    let (ra, rb) = tokio::join!(
+        alice.handle.request_lease(spec(Some(cheap.clone()))),
+        bob.handle.request_lease(spec(Some(cheap.clone())))
+    );
+    let (winner, loser, refusal) = match (ra, rb) {
+        (Ok(l), Err(e)) => (l, &bob, e),
+        (Err(e), Ok(l)) => (l, &alice, e),
+        other => panic!("exactly one must win: {other:?}"),
+    };
+    assert_eq!(winner.provider, cheap);
+    assert_eq!(winner.state, LeaseState::Active);
+    assert_eq!(
+        (
+            winner.provider_signature.as_str(),
+            winner.requester_signature.as_str()
+        ),
+        ("valid", "valid")
+    );
+    match refusal {
+        LeaseError::AllRefused(list) => {
+            assert_eq!(list.len(), 1);
+            assert!(list[0].1.contains("no A100 GPU free"), "{list:?}");
+        }
+        other => panic!("expected a refusal, got {other}"),
+    }
+    // The loser asks the network at large and gets the other provider.
+    let second = loser
+        .handle
+        .request_lease(spec(None))
+        .await
+        .expect("second provider");
+    assert_eq!(second.provider, net.nodes[1].handle.peer_id().to_string());
+    // The cheap provider lent exactly one GPU, and both sides agree on the lease.
+    let provider_view = net.nodes[0].handle.list_leases().await.expect("list");
+    let active: Vec<_> = provider_view
+        .iter()
+        .filter(|l| l.state == LeaseState::Active)
+        .collect();
+    assert_eq!(active.len(), 1);
+    assert_eq!(active[0].lease_id, winner.lease_id);
+    assert_eq!(active[0].role, LeaseRole::Provider);
+    assert!(
+        net.nodes[0]
+            .handle
+            .metrics()
+            .lease_rejected_count("no_capacity")
+            >= 1
+    );
+    // The lent GPU is advertised as leased.
+    let offers = TestNet::wait_for_offers(&loser.handle, &a100, Duration::from_secs(20), |o| {
+        o.iter().all(|x| {
+            x.gpus
+                .iter()
+                .all(|g| g.state == gpunode_protocol::gpu::GpuState::Leased)
+        })
+    })
+    .await
+    .expect("leased state advertised");
+    assert_eq!(offers.len(), 2);
+    net.shutdown().await;
+}
+
+#[derive(Clone, Default)]
+struct RawCodec;
+
+impl Codec for RawCodec {
+    type Protocol = StreamProtocol;
+    type Request = Vec<u8>;
+    type Response = Vec<u8>;
+    async fn read_request<T: futures::AsyncRead + Unpin + Send>(
+        &mut self,
+        _: &StreamProtocol,
+        io: &mut T,
+    ) -> std::io::Result<Vec<u8>> {
+        let mut b = Vec::new();
+        io.read_to_end(&mut b).await?;
+        Ok(b)
+    }
+    async fn read_response<T: futures::AsyncRead + Unpin + Send>(
+        &mut self,
+        _: &StreamProtocol,
+        io: &mut T,
+    ) -> std::io::Result<Vec<u8>> {
+        let mut b = Vec::new();
+        io.take(1 << 20).read_to_end(&mut b).await?;
+        Ok(b)
+    }
+    async fn write_request<T: futures::AsyncWrite + Unpin + Send>(
+        &mut self,
+        _: &StreamProtocol,
+        io: &mut T,
+        req: Vec<u8>,
+    ) -> std::io::Result<()> {
+        io.write_all(&req).await?;
+        io.close().await
+    }
+    async fn write_response<T: futures::AsyncWrite + Unpin + Send>(
+        &mut self,
+        _: &StreamProtocol,
+        io: &mut T,
+        res: Vec<u8>,
+    ) -> std::io::Result<()> {
+        io.write_all(&res).await?;
+        io.close().await
+    }
+}
+
+/// Sends raw bytes on the lease protocol and returns the decoded reply.
+async fn raw_exchange(
+    swarm: &mut libp2p::Swarm<request_response::Behaviour<RawCodec>>,
+    peer: PeerId,
+    addr: &Multiaddr,
+    bytes: Vec<u8>,
+) -> LeaseReply {
+    let id = swarm
+        .behaviour_mut()
+        .send_request_with_addresses(&peer, bytes, vec![addr.clone()]);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        tokio::select! {
+            ev = swarm.select_next_some() => match ev {
+                SwarmEvent::Behaviour(request_response::Event::Message {
+                    message: request_response::Message::Response { request_id, response }, ..
+                }) if request_id == id => return decode_reply(&response).expect("provider reply decodes"),
+                SwarmEvent::Behaviour(request_response::Event::OutboundFailure { request_id, error, .. }) if request_id == id => {
+                    panic!("request failed: {error}")
+                }
+                _ => {}
+            },
+            _ = tokio::time::sleep_until(deadline) => panic!("no reply within 20s"),
+        }
+    }
+}
+
+fn rejected(reply: LeaseReply) -> RejectCode {
+    match reply {
+        LeaseReply::Rejected(r) => r.code,
+        other => panic!("expected a rejection, got {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_lease_messages_are_rejected_with_reasons_and_reserve_nothing() {
+    let net = TestNet::start(TestNetConfig::new(vec![Some("1xA100-80GB".into())]))
+        .await
+        .expect("start");
+    let provider = &net.nodes[0];
+    let addr: Multiaddr = provider.addr.parse().expect("addr");
+    let peer = provider.handle.peer_id();
+    let key = identity::Keypair::generate_ed25519();
+    let me = key.public().to_peer_id();
+    let mut swarm = libp2p::SwarmBuilder::with_existing_identity(key.clone())
+        .with_tokio()
+        .with_quic()
+        .with_behaviour(|_| {
+            request_response::Behaviour::with_codec(
+                RawCodec,
+                [(
+                    StreamProtocol::new("/gpunode/lease/1.0.0"),
+                    ProtocolSupport::Outbound,
+                )],
+                request_response::Config::default(),
+            )
+        })
+        .expect("behaviour")
+        .build();
+
+    // Garbage bytes and an oversized message: refused with a reason, connection kept.
+    assert_eq!(
+        rejected(raw_exchange(&mut swarm, peer, &addr, b"\xff\x00garbage".to_vec()).await),
+        RejectCode::Malformed
+    );
+    let big = vec![0u8; MAX_LEASE_MESSAGE_BYTES + 10];
+    assert_eq!(
+        rejected(raw_exchange(&mut swarm, peer, &addr, big).await),
+        RejectCode::Oversized
+    );
+
+    let request = |requester: PeerId, nonce: u64| {
+        let now = now_ms();
+        LeaseRequest {
+            version: LEASE_VERSION,
+            requester,
+            requester_key: key.public().encode_protobuf(),
+            nonce,
+            requirements: Requirements {
+                gpus: 1,
+                gpu_model: None,
+                min_gpu_mem_bytes: None,
+                cpus: 1,
+                mem_bytes: 1 << 20,
+                backend: "wasm".into(),
+            },
+            duration_ms: 60_000,
+            max_price_per_gpu_hour_millicredits: None,
+            sent_at_ms: now,
+            expires_at_ms: now + 30_000,
+        }
+    };
+    let send = |m: LeaseMessage| encoding::encode(&m);
+    // A request naming another peer than the one on the connection.
+    let other = identity::Keypair::generate_ed25519().public().to_peer_id();
+    let r = raw_exchange(
+        &mut swarm,
+        peer,
+        &addr,
+        send(LeaseMessage::Request(request(other, 1))),
+    )
+    .await;
+    assert_eq!(rejected(r), RejectCode::WrongKey);
+    // A request whose clock is far ahead.
+    let mut skewed = request(me, 2);
+    skewed.sent_at_ms += 3_600_000;
+    skewed.expires_at_ms += 3_600_000;
+    assert_eq!(
+        rejected(raw_exchange(&mut swarm, peer, &addr, send(LeaseMessage::Request(skewed))).await),
+        RejectCode::ClockSkew
+    );
+    // A valid request gets an offer; the same request again is a replay.
+    let good = request(me, 3);
+    let offer = raw_exchange(
+        &mut swarm,
+        peer,
+        &addr,
+        send(LeaseMessage::Request(good.clone())),
+    )
+    .await;
+    let LeaseReply::Offer {
+        terms,
+        provider_sig,
+    } = offer
+    else {
+        panic!("expected an offer, got {offer:?}");
+    };
+    assert_eq!(
+        rejected(raw_exchange(&mut swarm, peer, &addr, send(LeaseMessage::Request(good))).await),
+        RejectCode::Replay
+    );
+    // Accept with a forged countersignature, then with altered terms: both refused.
+    let forged = terms
+        .sign(&identity::Keypair::generate_ed25519())
+        .expect("sign");
+    let m = LeaseMessage::Accept {
+        terms: terms.clone(),
+        provider_sig: provider_sig.clone(),
+        requester_sig: forged,
+    };
+    assert_eq!(
+        rejected(raw_exchange(&mut swarm, peer, &addr, send(m)).await),
+        RejectCode::BadSignature
+    );
+    let mut altered = terms.clone();
+    altered.price_per_gpu_hour_millicredits = 0;
+    let sig = altered.sign(&key).expect("sign");
+    let m = LeaseMessage::Accept {
+        terms: altered,
+        provider_sig: provider_sig.clone(),
+        requester_sig: sig,
+    };
+    assert_eq!(
+        rejected(raw_exchange(&mut swarm, peer, &addr, send(m)).await),
+        RejectCode::TermsAltered
+    );
+    // Nothing became active; the only GPU is merely held for the offer window.
+    let leases = provider.handle.list_leases().await.expect("list");
+    assert!(leases.iter().all(|l| l.state != LeaseState::Active));
+    // The honest accept still works: the node and the connection are healthy.
+    let sig = terms.sign(&key).expect("sign");
+    let m = LeaseMessage::Accept {
+        terms: terms.clone(),
+        provider_sig,
+        requester_sig: sig,
+    };
+    assert_eq!(
+        raw_exchange(&mut swarm, peer, &addr, send(m)).await,
+        LeaseReply::Activated {
+            lease_id: terms.lease_id
+        }
+    );
+    // Every refusal was counted.
+    let metrics = provider.handle.metrics();
+    for reason in [
+        "malformed",
+        "oversized",
+        "wrong_key",
+        "clock_skew",
+        "replay",
+        "bad_signature",
+        "terms_altered",
+    ] {
+        assert_eq!(
+            metrics.lease_rejected_count(reason),
+            1,
+            "{reason}: {}",
+            metrics.encode()
+        );
+    }
+    net.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn provider_restart_keeps_leases_and_their_gpus() {
+    let config = TestNetConfig::new(vec![Some("1xA100-80GB".into()), Some("2xT4-16GB".into())]);
+    let mut net = TestNet::start(config).await.expect("start");
+    let client = net.client().await.expect("client");
+    let t4 = OfferFilter {
+        gpu_model: Some("T4".into()),
+        ..OfferFilter::default()
+    };
+    TestNet::wait_for_offers(&client.handle, &t4, Duration::from_secs(20), |o| {
+        o.len() == 1
+    })
+    .await
+    .expect("provider visible");
+    let mut s = spec(None);
+    s.gpu_model = Some("T4".into());
+    let lease = client.handle.request_lease(s.clone()).await.expect("lease");
+    // Restart the provider on the same data dir.
+    let provider = net.nodes.remove(1);
+    let cfg = net.config().clone();
+    let dir = provider.stop_keeping_data().await;
+    let restarted = testnet::start_node_in(
+        &cfg,
+        1,
+        Some(&"2xT4-16GB".to_string()),
+        &[net.nodes[0].addr.clone()],
+        dir,
+    )
+    .await
+    .expect("restart");
+    // The client learns the restarted node's new address from its new advert.
+    let new_addr = restarted
+        .addr
+        .trim_end_matches(&format!("/p2p/{}", restarted.handle.peer_id()))
+        .to_string();
+    TestNet::wait_for_offers(&client.handle, &t4, Duration::from_secs(30), |o| {
+        o.len() == 1 && o[0].listen_addrs.contains(&new_addr)
+    })
+    .await
+    .expect("new advert visible");
+    let after = restarted.handle.list_leases().await.expect("list");
+    assert_eq!(after.len(), 1);
+    assert_eq!(after[0].lease_id, lease.lease_id);
+    assert_eq!(after[0].state, LeaseState::Active);
+    assert_eq!(after[0].requester_signature, "valid");
+    // One T4 is still lent after the restart: asking for two fails, one succeeds.
+    let mut two = s.clone();
+    two.gpus = 2;
+    two.peer = Some(restarted.handle.peer_id().to_string());
+    match client.handle.request_lease(two).await {
+        Err(LeaseError::AllRefused(list)) => {
+            assert!(list[0].1.contains("needs 2 x T4"), "{list:?}")
+        }
+        other => panic!("expected a capacity refusal, got {other:?}"),
+    }
+    s.peer = Some(restarted.handle.peer_id().to_string());
+    client.handle.request_lease(s).await.expect("the second T4");
+    net.shutdown().await;
+}
