@@ -138,7 +138,13 @@ pub struct LeaseView {
 
 impl From<&crate::lease::LeaseRecord> for LeaseView {
     fn from(r: &crate::lease::LeaseRecord) -> Self {
-        let (p_ok, r_ok) = r.signatures_valid();
+        LeaseView::with_signatures(r, r.signatures_valid())
+    }
+}
+
+impl LeaseView {
+    /// The view of `r` whose signatures were already checked: (provider ok, requester ok).
+    pub fn with_signatures(r: &crate::lease::LeaseRecord, (p_ok, r_ok): (bool, bool)) -> Self {
         let t = &r.terms;
         LeaseView {
             lease_id: t.lease_id.to_string(),

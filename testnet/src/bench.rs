@@ -163,3 +163,99 @@ pub async fn discovery(n: usize, lookups: usize) -> Result<DiscoveryReport> {
     net.shutdown().await;
     Ok(report)
 }
+
+/// Result of one `lease` run.
+#[derive(Debug, Clone, Serialize)]
+pub struct LeaseReport {
+    /// Sequential negotiations measured (request to active, one requester).
+    pub round_trips: usize,
+    /// Median negotiation time, ms.
+    pub median_ms: f64,
+    /// 99th percentile, ms.
+    pub p99_ms: f64,
+    /// Concurrent requesters in the throughput run.
+    pub requesters: usize,
+    /// Leases activated per second by one provider under that load.
+    pub leases_per_s: f64,
+    /// Leases that failed during the throughput run.
+    pub failures: usize,
+}
+
+/// Lease negotiation between nodes on loopback over QUIC, with durable stores: the round
+/// trip of one requester, then the rate one provider sustains with `requesters` at once.
+pub async fn lease(round_trips: usize, requesters: usize, seconds: u64) -> Result<LeaseReport> {
+    fn roomy(_: usize, c: &mut gpunode_node::NodeConfig) {
+        c.cpu_cores = Some(1_000_000);
+        c.ram = Some(1 << 50);
+    }
+    let mut config = TestNetConfig::new(vec![Some("1xA100-80GB".to_string())]);
+    config.tweak = Some(roomy);
+    config.inventory_poll = Duration::from_secs(5);
+    config.ephemeral_store = std::env::var("BENCH_EPHEMERAL").is_ok();
+    let net = TestNet::start(config).await?;
+    let provider = net.nodes[0].handle.peer_id().to_string();
+    let spec = gpunode_node::LeaseSpec {
+        peer: Some(provider),
+        gpus: 0,
+        gpu_model: None,
+        min_gpu_mem_bytes: None,
+        cpus: 1,
+        mem_bytes: 1 << 20,
+        backend: "wasm".into(),
+        duration_ms: 2_000,
+        max_price: None,
+    };
+    let mut clients = Vec::with_capacity(requesters.max(1));
+    for _ in 0..requesters.max(1) {
+        clients.push(net.client().await?);
+    }
+    // Warm up the connection and code paths.
+    for _ in 0..20 {
+        clients[0].handle.request_lease(spec.clone()).await?;
+    }
+    let mut times = Vec::with_capacity(round_trips);
+    for _ in 0..round_trips {
+        let t = Instant::now();
+        clients[0].handle.request_lease(spec.clone()).await?;
+        times.push(t.elapsed().as_secs_f64() * 1000.0);
+    }
+    times.sort_by(f64::total_cmp);
+
+    let stop = Instant::now() + Duration::from_secs(seconds);
+    let mut tasks = Vec::new();
+    for c in &clients {
+        let handle = c.handle.clone();
+        let spec = spec.clone();
+        tasks.push(tokio::spawn(async move {
+            let (mut ok, mut failed) = (0usize, 0usize);
+            while Instant::now() < stop {
+                match handle.request_lease(spec.clone()).await {
+                    Ok(_) => ok += 1,
+                    Err(_) => failed += 1,
+                }
+            }
+            (ok, failed)
+        }));
+    }
+    let started = Instant::now();
+    let (mut ok, mut failed) = (0, 0);
+    for t in tasks {
+        let (o, f) = t.await?;
+        ok += o;
+        failed += f;
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    let report = LeaseReport {
+        round_trips,
+        median_ms: percentile(&times, 0.5),
+        p99_ms: percentile(&times, 0.99),
+        requesters: clients.len(),
+        leases_per_s: ok as f64 / elapsed,
+        failures: failed,
+    };
+    for mut c in clients {
+        c.shutdown().await;
+    }
+    net.shutdown().await;
+    Ok(report)
+}

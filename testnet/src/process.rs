@@ -10,6 +10,8 @@ use anyhow::{bail, Context, Result};
 pub const SIGINT: i32 = 2;
 /// SIGTERM, as service managers send.
 pub const SIGTERM: i32 = 15;
+/// SIGKILL: a crash, as far as the node can tell.
+pub const SIGKILL: i32 = 9;
 
 /// A running `gpunode serve` process; stopped with SIGINT when dropped.
 pub struct ServeProcess {
@@ -39,12 +41,12 @@ impl ServeProcess {
         let child = Command::new(binary)
             .arg("--data-dir")
             .arg(data_dir)
-            .args([
-                "serve",
-                "--no-mdns",
-                "--listen",
-                "/ip4/127.0.0.1/udp/0/quic-v1",
-            ])
+            .args(["serve", "--no-mdns"])
+            .args(if extra.iter().any(|a| a == "--listen") {
+                &[][..]
+            } else {
+                &["--listen", "/ip4/127.0.0.1/udp/0/quic-v1"][..]
+            })
             .args(extra)
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())

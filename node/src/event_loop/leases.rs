@@ -47,6 +47,16 @@ impl EventLoop {
                 peer,
                 ..
             } => {
+                if matches!(
+                    error,
+                    request_response::OutboundFailure::ConnectionClosed
+                        | request_response::OutboundFailure::Io(_)
+                        | request_response::OutboundFailure::Timeout
+                ) {
+                    // The peer may have crashed and come back: drop every connection we
+                    // think we have, so the next message dials afresh.
+                    let _ = self.swarm.disconnect_peer_id(peer);
+                }
                 if let Some(reply) = self.lease_out.remove(&request_id) {
                     let _ = reply.send(Err(format!("peer {peer} did not answer: {error}")));
                 }
@@ -158,13 +168,9 @@ impl EventLoop {
     ) {
         let (gpus, _, _) = self.leases.committed_totals();
         self.metrics.leased_gpus.set(gpus as i64);
-        let active = self
-            .leases
-            .all()
-            .iter()
-            .filter(|l| l.state == crate::lease::LeaseState::Active)
-            .count();
-        self.metrics.leases_active.set(active as i64);
+        self.metrics
+            .leases_active
+            .set(self.leases.active_count() as i64);
         if self.leases.committed_gpus() != *committed_before {
             self.schedule_publish(std::time::Duration::from_millis(20), true);
         }

@@ -98,6 +98,10 @@ pub(crate) enum Command {
         reply: oneshot::Sender<Result<LeaseRecord, String>>,
     },
     ListLeases(oneshot::Sender<Vec<LeaseRecord>>),
+    IsConnected {
+        peer: PeerId,
+        reply: oneshot::Sender<bool>,
+    },
 }
 
 struct PendingFind {
@@ -289,6 +293,9 @@ impl EventLoop {
                         .ok_or_else(|| "lease vanished".into())
                 });
                 let _ = reply.send(r);
+            }
+            Command::IsConnected { peer, reply } => {
+                let _ = reply.send(self.connections.contains_key(&peer));
             }
             Command::ListLeases(reply) => {
                 let _ = reply.send(self.leases.all().into_iter().cloned().collect());

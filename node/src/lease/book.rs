@@ -4,7 +4,7 @@
 //! accepts, renewals, cancels and expiries are applied one at a time and capacity can
 //! never be committed twice.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use gpunode_protocol::advert::OfferFilter;
 use gpunode_protocol::lease::{
@@ -149,8 +149,35 @@ pub struct LeaseBook {
     policy: LeasePolicy,
     capacity: Capacity,
     leases: BTreeMap<LeaseId, LeaseRecord>,
+    /// Running totals of what live leases hold, kept as leases change state, so each
+    /// request costs the same however many leases there are.
+    totals: Totals,
+    /// When each live lease next falls due (offer window or end).
+    deadlines: BTreeSet<(UnixMillis, LeaseId)>,
     nonces: HashMap<(PeerId, u64), UnixMillis>,
+    nonce_expiry: BTreeSet<(UnixMillis, PeerId, u64)>,
     changes: Vec<Change>,
+}
+
+/// What offered and active leases hold.
+#[derive(Debug, Default)]
+struct Totals {
+    /// GPUs we lend, by UUID.
+    gpus: HashSet<String>,
+    cpus: u32,
+    mem: u64,
+    /// GPUs we lend, by requester.
+    per_peer: HashMap<PeerId, u32>,
+    /// Active leases, either side.
+    active: usize,
+}
+
+fn deadline_of(l: &LeaseRecord) -> Option<UnixMillis> {
+    match l.state {
+        LeaseState::Offered => Some(l.terms.offer_expires_ms + 1),
+        LeaseState::Active => Some(l.terms.end_ms),
+        _ => None,
+    }
 }
 
 fn reject(code: RejectCode, message: impl Into<String>) -> Rejection {
@@ -165,7 +192,10 @@ impl LeaseBook {
             policy,
             capacity,
             leases: BTreeMap::new(),
+            totals: Totals::default(),
+            deadlines: BTreeSet::new(),
             nonces: HashMap::new(),
+            nonce_expiry: BTreeSet::new(),
             changes: Vec::new(),
         }
     }
@@ -183,16 +213,16 @@ impl LeaseBook {
     ) -> LeaseBook {
         let mut book = LeaseBook::new(local, policy, capacity);
         for l in leases {
-            book.leases.insert(l.terms.lease_id, l);
+            book.put(l);
         }
         for (peer, nonce, until) in nonces {
-            book.nonces.insert((peer, nonce), until);
+            book.remember_nonce(peer, nonce, until);
         }
         let ids: Vec<LeaseId> = book
             .leases
-            .iter()
-            .filter(|(_, l)| l.state == LeaseState::Offered)
-            .map(|(id, _)| *id)
+            .values()
+            .filter(|l| l.state == LeaseState::Offered)
+            .map(|l| l.terms.lease_id)
             .collect();
         for id in ids {
             book.set_state(id, LeaseState::Expired, now);
@@ -256,23 +286,82 @@ impl LeaseBook {
 
     /// UUIDs of GPUs held by offered or active leases we provide.
     pub fn committed_gpus(&self) -> HashSet<String> {
-        self.providing()
-            .flat_map(|l| l.terms.gpus.iter().map(|g| g.uuid.clone()))
-            .collect()
+        self.totals.gpus.clone()
     }
 
-    fn providing(&self) -> impl Iterator<Item = &LeaseRecord> {
-        self.leases
-            .values()
-            .filter(|l| l.role == LeaseRole::Provider && l.state.holds_resources())
+    /// Adds (or with `add == false` removes) a lease's share of the running totals.
+    fn account(&mut self, id: &LeaseId, add: bool) {
+        let Some(l) = self.leases.get(id) else {
+            return;
+        };
+        if let Some(due) = deadline_of(l) {
+            if add {
+                self.deadlines.insert((due, *id));
+            } else {
+                self.deadlines.remove(&(due, *id));
+            }
+        }
+        let t = &mut self.totals;
+        if l.state == LeaseState::Active {
+            t.active = if add {
+                t.active + 1
+            } else {
+                t.active.saturating_sub(1)
+            };
+        }
+        if l.role != LeaseRole::Provider || !l.state.holds_resources() {
+            return;
+        }
+        let n = l.terms.gpus.len() as u32;
+        if add {
+            t.cpus += l.terms.cpus;
+            t.mem += l.terms.mem_bytes;
+            t.gpus.extend(l.terms.gpus.iter().map(|g| g.uuid.clone()));
+            *t.per_peer.entry(l.terms.requester).or_default() += n;
+        } else {
+            t.cpus = t.cpus.saturating_sub(l.terms.cpus);
+            t.mem = t.mem.saturating_sub(l.terms.mem_bytes);
+            for g in &l.terms.gpus {
+                t.gpus.remove(&g.uuid);
+            }
+            if let Some(c) = t.per_peer.get_mut(&l.terms.requester) {
+                *c = c.saturating_sub(n);
+                if *c == 0 {
+                    t.per_peer.remove(&l.terms.requester);
+                }
+            }
+        }
+    }
+
+    fn put(&mut self, record: LeaseRecord) {
+        let id = record.terms.lease_id;
+        self.account(&id, false);
+        self.leases.insert(id, record);
+        self.account(&id, true);
+    }
+
+    /// Changes a lease through `f`, keeping the totals right.
+    fn update(&mut self, id: LeaseId, f: impl FnOnce(&mut LeaseRecord)) {
+        self.account(&id, false);
+        if let Some(l) = self.leases.get_mut(&id) {
+            f(l);
+            self.changes.push(Change::Lease(id));
+        }
+        self.account(&id, true);
     }
 
     fn set_state(&mut self, id: LeaseId, state: LeaseState, now: UnixMillis) {
-        if let Some(l) = self.leases.get_mut(&id) {
+        self.update(id, |l| {
             l.state = state;
             l.updated_ms = now;
-            self.changes.push(Change::Lease(id));
+        });
+    }
+
+    fn remember_nonce(&mut self, peer: PeerId, nonce: u64, until: UnixMillis) {
+        if let Some(old) = self.nonces.insert((peer, nonce), until) {
+            self.nonce_expiry.remove(&(old, peer, nonce));
         }
+        self.nonce_expiry.insert((until, peer, nonce));
     }
 
     /// Step 2 of a negotiation, as provider: check the request against policy and
@@ -327,7 +416,7 @@ impl LeaseBook {
         }
         // The nonce is spent from here on, whatever the answer.
         let keep_until = req.expires_at_ms.max(now) + MAX_CLOCK_SKEW_MS;
-        self.nonces.insert((*from, req.nonce), keep_until);
+        self.remember_nonce(*from, req.nonce, keep_until);
         self.changes
             .push(Change::Nonce(*from, req.nonce, keep_until));
 
@@ -354,19 +443,16 @@ impl LeaseBook {
                 format!("provider cannot sign: {e}"),
             )
         })?;
-        self.leases.insert(
-            lease_id,
-            LeaseRecord {
-                terms: terms.clone(),
-                provider_sig: sig.clone(),
-                requester_sig: None,
-                signed_end_ms: terms.end_ms,
-                renewals: Vec::new(),
-                role: LeaseRole::Provider,
-                state: LeaseState::Offered,
-                updated_ms: now,
-            },
-        );
+        self.put(LeaseRecord {
+            terms: terms.clone(),
+            provider_sig: sig.clone(),
+            requester_sig: None,
+            signed_end_ms: terms.end_ms,
+            renewals: Vec::new(),
+            role: LeaseRole::Provider,
+            state: LeaseState::Offered,
+            updated_ms: now,
+        });
         self.changes.push(Change::Lease(lease_id));
         Ok((terms, sig))
     }
@@ -417,11 +503,7 @@ impl LeaseBook {
                 ));
             }
         }
-        let held: u32 = self
-            .providing()
-            .filter(|l| l.terms.requester == *from)
-            .map(|l| l.terms.gpus.len() as u32)
-            .sum();
+        let held: u32 = self.totals.per_peer.get(from).copied().unwrap_or(0);
         if held.saturating_add(req.requirements.gpus) > p.max_gpus_per_peer {
             return Err(reject(
                 RejectCode::PeerGpuLimit,
@@ -440,7 +522,7 @@ impl LeaseBook {
         req: &LeaseRequest,
     ) -> Result<(Vec<LeasedGpu>, u32, u64), Rejection> {
         let r = &req.requirements;
-        let committed = self.committed_gpus();
+        let committed = &self.totals.gpus;
         let filter = OfferFilter {
             gpu_model: r.gpu_model.clone(),
             min_gpu_mem_bytes: r.min_gpu_mem_bytes,
@@ -490,8 +572,7 @@ impl LeaseBook {
                 memory_bytes: g.memory_bytes,
             })
             .collect();
-        let used_cpus: u32 = self.providing().map(|l| l.terms.cpus).sum();
-        let used_mem: u64 = self.providing().map(|l| l.terms.mem_bytes).sum();
+        let (used_cpus, used_mem) = (self.totals.cpus, self.totals.mem);
         let free_cpus = self.capacity.cpus.saturating_sub(used_cpus);
         let free_mem = self.capacity.mem_bytes.saturating_sub(used_mem);
         if r.cpus > free_cpus {
@@ -551,7 +632,7 @@ impl LeaseBook {
                 "the accepted terms differ from the offered ones",
             ));
         }
-        terms.verify(&self.local, provider_sig)?;
+        // Our own signature is checked by comparing it with the one we made.
         if held.provider_sig != provider_sig {
             return Err(reject(
                 RejectCode::BadSignature,
@@ -635,18 +716,19 @@ impl LeaseBook {
             .sign(key)
             .map_err(|e| reject(RejectCode::InvalidRequest, e.to_string()))?;
         let keep_until = renewal.new_end_ms + MAX_CLOCK_SKEW_MS;
-        self.nonces.insert((*from, renewal.nonce), keep_until);
+        self.remember_nonce(*from, renewal.nonce, keep_until);
         self.changes
             .push(Change::Nonce(*from, renewal.nonce, keep_until));
-        if let Some(l) = self.leases.get_mut(&id) {
-            l.terms.end_ms = renewal.new_end_ms;
-            l.renewals.push(SignedRenewal {
-                renewal: renewal.clone(),
-                requester_sig: requester_sig.to_vec(),
-                provider_sig: provider_sig.clone(),
-            });
-        }
-        self.set_state(id, LeaseState::Active, now);
+        let signed = SignedRenewal {
+            renewal: renewal.clone(),
+            requester_sig: requester_sig.to_vec(),
+            provider_sig: provider_sig.clone(),
+        };
+        self.update(id, |l| {
+            l.terms.end_ms = signed.renewal.new_end_ms;
+            l.renewals.push(signed);
+            l.updated_ms = now;
+        });
         Ok(provider_sig)
     }
 
@@ -693,19 +775,16 @@ impl LeaseBook {
         now: UnixMillis,
     ) {
         let id = terms.lease_id;
-        self.leases.insert(
-            id,
-            LeaseRecord {
-                signed_end_ms: terms.end_ms,
-                terms,
-                provider_sig,
-                requester_sig: Some(requester_sig),
-                renewals: Vec::new(),
-                role: LeaseRole::Requester,
-                state: LeaseState::Active,
-                updated_ms: now,
-            },
-        );
+        self.put(LeaseRecord {
+            signed_end_ms: terms.end_ms,
+            terms,
+            provider_sig,
+            requester_sig: Some(requester_sig),
+            renewals: Vec::new(),
+            role: LeaseRole::Requester,
+            state: LeaseState::Active,
+            updated_ms: now,
+        });
         self.changes.push(Change::Lease(id));
     }
 
@@ -716,7 +795,7 @@ impl LeaseBook {
         now: UnixMillis,
     ) -> Result<(), Rejection> {
         let id = signed.renewal.lease_id;
-        let Some(l) = self.leases.get_mut(&id) else {
+        let Some(l) = self.leases.get(&id) else {
             return Err(reject(
                 RejectCode::UnknownLease,
                 format!("no lease {id} here"),
@@ -725,9 +804,11 @@ impl LeaseBook {
         signed
             .renewal
             .verify(&l.terms.provider, &signed.provider_sig)?;
-        l.terms.end_ms = signed.renewal.new_end_ms;
-        l.renewals.push(signed);
-        self.set_state(id, LeaseState::Active, now);
+        self.update(id, |l| {
+            l.terms.end_ms = signed.renewal.new_end_ms;
+            l.renewals.push(signed);
+            l.updated_ms = now;
+        });
         Ok(())
     }
 
@@ -740,28 +821,26 @@ impl LeaseBook {
     /// leases past their end complete, spent nonces past any use are forgotten.
     pub fn tick(&mut self, now: UnixMillis) -> Vec<LeaseId> {
         let mut changed = Vec::new();
-        let due: Vec<(LeaseId, LeaseState)> = self
-            .leases
-            .iter()
-            .filter_map(|(id, l)| match l.state {
-                LeaseState::Offered if now > l.terms.offer_expires_ms => {
-                    Some((*id, LeaseState::Expired))
+        while let Some(&(due, id)) = self.deadlines.first() {
+            if due > now {
+                break;
+            }
+            let next = match self.leases.get(&id).map(|l| l.state) {
+                Some(LeaseState::Offered) => LeaseState::Expired,
+                Some(LeaseState::Active) => LeaseState::Completed,
+                _ => {
+                    self.deadlines.remove(&(due, id));
+                    continue;
                 }
-                LeaseState::Active if now >= l.terms.end_ms => Some((*id, LeaseState::Completed)),
-                _ => None,
-            })
-            .collect();
-        for (id, state) in due {
-            self.set_state(id, state, now);
+            };
+            self.set_state(id, next, now);
             changed.push(id);
         }
-        let old: Vec<(PeerId, u64)> = self
-            .nonces
-            .iter()
-            .filter(|(_, until)| **until < now)
-            .map(|(k, _)| *k)
-            .collect();
-        for (peer, nonce) in old {
+        while let Some(&(until, peer, nonce)) = self.nonce_expiry.first() {
+            if until >= now {
+                break;
+            }
+            self.nonce_expiry.remove(&(until, peer, nonce));
             self.nonces.remove(&(peer, nonce));
             self.changes.push(Change::ForgetNonce(peer, nonce));
         }
@@ -770,32 +849,22 @@ impl LeaseBook {
 
     /// When the next offer window or lease end falls due, if any.
     pub fn next_deadline(&self) -> Option<UnixMillis> {
-        self.leases
-            .values()
-            .filter_map(|l| match l.state {
-                LeaseState::Offered => Some(l.terms.offer_expires_ms + 1),
-                LeaseState::Active => Some(l.terms.end_ms),
-                _ => None,
-            })
-            .min()
+        self.deadlines.first().map(|(due, _)| *due)
     }
 
     /// Resources committed by offered and active leases we provide: (GPUs, CPUs, RAM).
     pub fn committed_totals(&self) -> (usize, u32, u64) {
-        let mut gpus = 0;
-        let mut cpus = 0;
-        let mut mem = 0;
-        for l in self.providing() {
-            gpus += l.terms.gpus.len();
-            cpus += l.terms.cpus;
-            mem += l.terms.mem_bytes;
-        }
-        (gpus, cpus, mem)
+        (self.totals.gpus.len(), self.totals.cpus, self.totals.mem)
     }
 
     /// The capacity the book lends from.
     pub fn capacity(&self) -> &Capacity {
         &self.capacity
+    }
+
+    /// Active leases, either side.
+    pub fn active_count(&self) -> usize {
+        self.totals.active
     }
 
     /// Remembered nonces (for tests and persistence checks).

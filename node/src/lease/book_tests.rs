@@ -655,9 +655,16 @@ proptest! {
                 }
             }
             prop_assert!(uuids.len() <= cap.gpus.len());
-            let (_, cpus, mem) = book.committed_totals();
+            let (gpus, cpus, mem) = book.committed_totals();
             prop_assert!(cpus <= cap.cpus);
             prop_assert!(mem <= cap.mem_bytes);
+            // The running totals agree with a recount from the records.
+            prop_assert_eq!(gpus, uuids.len());
+            prop_assert_eq!(book.committed_gpus(), uuids);
+            prop_assert_eq!(cpus, holding.iter().map(|l| l.terms.cpus).sum::<u32>());
+            prop_assert_eq!(mem, holding.iter().map(|l| l.terms.mem_bytes).sum::<u64>());
+            let active = book.all().iter().filter(|l| l.state == LeaseState::Active).count();
+            prop_assert_eq!(book.active_count(), active);
         }
         // Once every window and lease end has passed, nothing is held.
         book.tick(now + 365 * 24 * 3_600_000);

@@ -51,27 +51,26 @@ impl NodeHandle {
         addrs: Vec<Multiaddr>,
         message: LeaseMessage,
     ) -> Result<Result<LeaseReply, String>, NodeError> {
-        let first = self
-            .ask(|reply| Command::SendLease {
-                peer,
-                addrs: addrs.clone(),
-                message: message.clone(),
-                reply,
-            })
-            .await?;
-        match first {
-            // A dial already under way to an address the peer no longer uses (after a
-            // restart, say) fails our request with it; the retry dials the new address.
-            Err(e) if e.contains("dial") => {
-                self.ask(|reply| Command::SendLease {
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let answer = self
+                .ask(|reply| Command::SendLease {
                     peer,
-                    addrs,
-                    message,
+                    addrs: addrs.clone(),
+                    message: message.clone(),
                     reply,
                 })
-                .await
+                .await?;
+            match answer {
+                // A dial already under way to an address the peer no longer uses, or a
+                // connection that died with the peer (a crash and restart), fails an
+                // attempt; the next one opens a fresh connection.
+                Err(e) if attempt < 3 && is_transport_failure(&e) => {
+                    tokio::time::sleep(Duration::from_millis(300)).await;
+                }
+                other => return Ok(other),
             }
-            other => Ok(other),
         }
     }
 
@@ -87,6 +86,9 @@ impl NodeHandle {
     }
 
     async fn addresses_of(&self, peer: PeerId) -> Vec<Multiaddr> {
+        if let Ok(true) = self.ask(|reply| Command::IsConnected { peer, reply }).await {
+            return Vec::new();
+        }
         self.find_adverts(vec![peer])
             .await
             .ok()
@@ -237,7 +239,8 @@ impl NodeHandle {
                 reply,
             })
             .await?;
-        Ok(record.map(|r| LeaseView::from(&r)))
+        // Both signatures were just checked (the provider's in check_offer, ours made here).
+        Ok(record.map(|r| LeaseView::with_signatures(&r, (true, true))))
     }
 
     /// Every lease on this node, either side, newest first.
@@ -332,6 +335,8 @@ impl NodeHandle {
             .await?;
         let (peer_notified, peer_error) = match answer {
             Ok(LeaseReply::Cancelled { .. }) => (true, None),
+            // Already over on the other side too (e.g. our first attempt got through).
+            Ok(LeaseReply::Rejected(r)) if r.code == RejectCode::WrongState => (true, None),
             Ok(LeaseReply::Rejected(r)) => (false, Some(r.message)),
             Ok(other) => (false, Some(format!("unexpected answer {other:?}"))),
             Err(e) => (false, Some(e)),
@@ -342,6 +347,15 @@ impl NodeHandle {
             peer_error,
         })
     }
+}
+
+/// Failures of the connection rather than refusals by the peer: worth one more try.
+fn is_transport_failure(error: &str) -> bool {
+    let e = error.to_ascii_lowercase();
+    e.contains("dial")
+        || e.contains("connection")
+        || e.contains("timeout")
+        || e.contains("timed out")
 }
 
 fn describe(spec: &LeaseSpec) -> String {

@@ -54,6 +54,18 @@ enum Bench {
         #[arg(long, default_value_t = 200)]
         lookups: usize,
     },
+    /// Lease negotiation round trip and leases per second of one provider.
+    Lease {
+        /// Sequential negotiations to time.
+        #[arg(long, default_value_t = 500)]
+        round_trips: usize,
+        /// Concurrent requesters for the throughput run.
+        #[arg(long, default_value_t = 16)]
+        requesters: usize,
+        /// Length of the throughput run, seconds.
+        #[arg(long, default_value_t = 10)]
+        seconds: u64,
+    },
 }
 
 fn gpunode_binary() -> Result<PathBuf> {
@@ -129,6 +141,21 @@ fn main() -> Result<()> {
                 let report = rt.block_on(testnet::bench::discovery(n, lookups))?;
                 println!("{}", serde_json::to_string(&report)?);
             }
+            Ok(())
+        }
+        Cmd::Bench {
+            which:
+                Bench::Lease {
+                    round_trips,
+                    requesters,
+                    seconds,
+                },
+        } => {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()?;
+            let report = rt.block_on(testnet::bench::lease(round_trips, requesters, seconds))?;
+            println!("{}", serde_json::to_string(&report)?);
             Ok(())
         }
     }
