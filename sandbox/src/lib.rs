@@ -1,1 +1,14 @@
-//! placeholder
+//! Task executors: where a leased task actually runs.
+//!
+//! [`wasm::WasmExecutor`] runs WASI preview 1 modules (`.wasm` or `.wat`) in wasmtime with
+//! every limit a provider promises: wall-clock deadline (epoch interruption), optional
+//! fuel, linear memory and table limits, stdout/stderr caps, output-directory size and
+//! file-count caps, no network, and a filesystem of exactly `/input` (read-only) and
+//! `/output` (writable). Each run ends in one distinct [`wasm::Outcome`].
+//!
+//! This crate does no networking and never imports the node; the container backend
+//! (bubblewrap, GPU devices) will live beside the wasm one.
+
+pub mod wasm;
+
+pub use wasm::{CancelToken, CompiledTask, Limits, Outcome, RunSpec, SandboxError, WasmExecutor};

@@ -20,7 +20,7 @@ pub struct ServeProcess {
     pub data_dir: PathBuf,
     /// Its peer id.
     pub peer_id: String,
-    /// Its QUIC address with `/p2p/PEER_ID`.
+    /// The first address it listens on (QUIC or TCP), with `/p2p/PEER_ID`.
     pub addr: String,
     log: PathBuf,
 }
@@ -64,10 +64,10 @@ impl ServeProcess {
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
             let text = std::fs::read_to_string(&p.log).unwrap_or_default();
-            if let Some(addr) = text
-                .split_whitespace()
-                .find(|w| w.starts_with("/ip4/127.0.0.1/udp/") && w.ends_with("/quic-v1"))
-            {
+            if let Some(addr) = text.split_whitespace().find(|w| {
+                (w.starts_with("/ip4/127.0.0.1/udp/") && w.ends_with("/quic-v1"))
+                    || w.starts_with("/ip4/127.0.0.1/tcp/")
+            }) {
                 p.addr = format!("{addr}/p2p/{}", p.peer_id);
                 return Ok(p);
             }

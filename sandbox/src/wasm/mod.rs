@@ -1,0 +1,457 @@
+//! The wasm executor: one wasmtime engine per node (plus one with fuel metering, made
+//! on first use), a ticker thread that advances the epoch every 10 ms, a module cache,
+//! and `run`, which executes one task to a single [`Outcome`].
+//!
+//! `run` blocks (WASI p1's sync bindings drive their own runtime); callers run it on a
+//! thread of its own or through `spawn_blocking`, never on an async worker.
+
+mod cache;
+mod output;
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+pub use cache::CacheSource;
+pub use output::OutputSink;
+use wasmtime::{Config, Engine, Linker, Module, ResourceLimiter, Store, Trap, UpdateDeadline};
+use wasmtime_wasi::p1::WasiP1Ctx;
+use wasmtime_wasi::{FsPerms, I32Exit, WasiCtxBuilder};
+
+/// How often the epoch advances: the granularity of deadlines and cancellation.
+const TICK: Duration = Duration::from_millis(10);
+/// How often (in ticks) the output directory is measured during a run.
+const OUTPUT_CHECK_TICKS: u64 = 10;
+
+/// Why a task could not be prepared.
+#[derive(Debug, thiserror::Error)]
+pub enum SandboxError {
+    /// The bytes are not a usable WASI module; nothing was run (and no lease is needed).
+    #[error("invalid module: {0}")]
+    InvalidModule(String),
+    /// The executor could not be set up.
+    #[error("sandbox setup failed: {0}")]
+    Setup(String),
+}
+
+/// What a run may use.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Limits {
+    /// Wall-clock time.
+    pub wall_time: Duration,
+    /// Instructions budget (deterministic metering); `None` for no fuel metering.
+    pub fuel: Option<u64>,
+    /// Linear memory, bytes.
+    pub memory_bytes: usize,
+    /// Table elements.
+    pub table_elements: usize,
+    /// Bytes the guest may write to stdout.
+    pub stdout_bytes: u64,
+    /// Bytes the guest may write to stderr.
+    pub stderr_bytes: u64,
+    /// Bytes the guest may leave in `/output`.
+    pub output_bytes: u64,
+    /// Files (and directories) the guest may create in `/output`.
+    pub output_files: u64,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            wall_time: Duration::from_secs(600),
+            fuel: None,
+            memory_bytes: 512 << 20,
+            table_elements: 100_000,
+            stdout_bytes: 16 << 20,
+            stderr_bytes: 16 << 20,
+            output_bytes: 1 << 30,
+            output_files: 1000,
+        }
+    }
+}
+
+/// How a run ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// The guest exited with this code (0 when `_start` returned).
+    Exited(i32),
+    /// The guest trapped (unreachable, out-of-bounds access, ...).
+    Trapped(String),
+    /// The wall-clock deadline passed.
+    TimedOut,
+    /// The fuel budget ran out.
+    OutOfFuel,
+    /// The guest asked for more memory or table space than allowed.
+    OutOfMemory,
+    /// stdout, stderr or `/output` went over its limit (which one is said).
+    OutputTooLarge(String),
+    /// Cancelled by the caller (lease ended or cancelled).
+    Cancelled,
+}
+
+/// Cancels a run from another thread.
+#[derive(Debug, Clone, Default)]
+pub struct CancelToken(Arc<AtomicBool>);
+
+impl CancelToken {
+    /// A fresh token.
+    pub fn new() -> CancelToken {
+        CancelToken::default()
+    }
+
+    /// Stops the run within one tick.
+    pub fn cancel(&self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+
+    fn is_cancelled(&self) -> bool {
+        self.0.load(Ordering::SeqCst)
+    }
+}
+
+/// A module compiled and checked for this executor.
+#[derive(Clone)]
+pub struct CompiledTask {
+    module: Module,
+    fuel: bool,
+    /// blake3 of the source bytes.
+    pub hash: String,
+    /// Where the compiled code came from.
+    pub source: CacheSource,
+}
+
+impl std::fmt::Debug for CompiledTask {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CompiledTask")
+            .field("hash", &self.hash)
+            .field("source", &self.source)
+            .finish()
+    }
+}
+
+/// One run of a task.
+pub struct RunSpec {
+    /// Arguments after the program name.
+    pub args: Vec<String>,
+    /// Environment, exactly as given.
+    pub env: Vec<(String, String)>,
+    /// Host directory shown read-only at `/input`.
+    pub input_dir: Option<PathBuf>,
+    /// Host directory shown writable at `/output`.
+    pub output_dir: PathBuf,
+    /// What the run may use.
+    pub limits: Limits,
+    /// Receives stdout as it is written.
+    pub stdout: OutputSink,
+    /// Receives stderr as it is written.
+    pub stderr: OutputSink,
+    /// Stops the run.
+    pub cancel: CancelToken,
+}
+
+/// Why the guest was stopped from the host side.
+#[derive(Debug, thiserror::Error)]
+enum Stop {
+    #[error("deadline passed")]
+    TimedOut,
+    #[error("cancelled")]
+    Cancelled,
+    #[error("output limit exceeded: {0}")]
+    Output(String),
+    #[error("memory or table limit exceeded")]
+    Memory,
+}
+
+struct Limiter {
+    memory_bytes: usize,
+    table_elements: usize,
+}
+
+impl ResourceLimiter for Limiter {
+    fn memory_growing(
+        &mut self,
+        _current: usize,
+        desired: usize,
+        _maximum: Option<usize>,
+    ) -> wasmtime::Result<bool> {
+        if desired > self.memory_bytes {
+            return Err(Stop::Memory.into());
+        }
+        Ok(true)
+    }
+
+    fn table_growing(
+        &mut self,
+        _current: usize,
+        desired: usize,
+        _maximum: Option<usize>,
+    ) -> wasmtime::Result<bool> {
+        if desired > self.table_elements {
+            return Err(Stop::Memory.into());
+        }
+        Ok(true)
+    }
+}
+
+struct Host {
+    wasi: WasiP1Ctx,
+    limiter: Limiter,
+}
+
+/// Runs WASI tasks. One per node; cheap to share behind an `Arc`.
+pub struct WasmExecutor {
+    engine: Engine,
+    fuel_engine: Engine,
+    cache: cache::ModuleCache,
+    stop_ticker: Arc<AtomicBool>,
+    ticker: Option<JoinHandle<()>>,
+}
+
+fn engine_config(fuel: bool) -> Config {
+    let mut c = Config::new();
+    c.epoch_interruption(true);
+    c.consume_fuel(fuel);
+    c
+}
+
+impl WasmExecutor {
+    /// An executor whose compiled-module cache lives in `cache_dir`.
+    pub fn new(cache_dir: &Path) -> Result<WasmExecutor, SandboxError> {
+        let setup = |e: wasmtime::Error| SandboxError::Setup(e.to_string());
+        let engine = Engine::new(&engine_config(false)).map_err(setup)?;
+        let fuel_engine = Engine::new(&engine_config(true)).map_err(setup)?;
+        let cache = cache::ModuleCache::new(cache_dir)
+            .map_err(|e| SandboxError::Setup(format!("cache dir {}: {e}", cache_dir.display())))?;
+        let stop_ticker = Arc::new(AtomicBool::new(false));
+        let (stop, engines) = (stop_ticker.clone(), [engine.clone(), fuel_engine.clone()]);
+        let ticker = std::thread::Builder::new()
+            .name("wasm-epoch".into())
+            .spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    std::thread::sleep(TICK);
+                    for e in &engines {
+                        e.increment_epoch();
+                    }
+                }
+            })
+            .map_err(|e| SandboxError::Setup(e.to_string()))?;
+        Ok(WasmExecutor {
+            engine,
+            fuel_engine,
+            cache,
+            stop_ticker,
+            ticker: Some(ticker),
+        })
+    }
+
+    fn engine_for(&self, fuel: bool) -> &Engine {
+        if fuel {
+            &self.fuel_engine
+        } else {
+            &self.engine
+        }
+    }
+
+    /// Compiles (or fetches from the cache) a `.wasm` or `.wat` module and checks that
+    /// it is a WASI command this sandbox can run: every import is a WASI preview 1
+    /// function and it exports `_start`.
+    pub fn compile(&self, bytes: &[u8], fuel: bool) -> Result<CompiledTask, SandboxError> {
+        let hash = blake3::hash(bytes).to_hex().to_string();
+        let key = format!("{hash}-{}", if fuel { "fuel" } else { "epoch" });
+        let engine = self.engine_for(fuel);
+        let (module, source) = self
+            .cache
+            .get_or_compile(engine, &key, bytes)
+            .map_err(|e| SandboxError::InvalidModule(format!("{e:#}")))?;
+        let mut linker: Linker<Host> = Linker::new(engine);
+        wasmtime_wasi::p1::add_to_linker_sync(&mut linker, |h: &mut Host| &mut h.wasi)
+            .map_err(|e| SandboxError::Setup(e.to_string()))?;
+        for import in module.imports() {
+            if import.module() != "wasi_snapshot_preview1" {
+                return Err(SandboxError::InvalidModule(format!(
+                    "it imports {}::{}, which the sandbox does not provide (only WASI preview 1 is available)",
+                    import.module(),
+                    import.name()
+                )));
+            }
+        }
+        linker.instantiate_pre(&module).map_err(|e| {
+            SandboxError::InvalidModule(format!("its imports cannot be satisfied: {e:#}"))
+        })?;
+        if module.get_export("_start").is_none() {
+            return Err(SandboxError::InvalidModule(
+                "it exports no `_start` function (build it as a WASI command, e.g. --target wasm32-wasip1)".into(),
+            ));
+        }
+        Ok(CompiledTask {
+            module,
+            fuel,
+            hash,
+            source,
+        })
+    }
+
+    /// Runs a compiled task to its outcome. Blocks the calling thread.
+    pub fn run(&self, task: &CompiledTask, spec: RunSpec) -> Result<Outcome, SandboxError> {
+        let engine = self.engine_for(task.fuel);
+        let exceeded_stdout = Arc::new(AtomicBool::new(false));
+        let exceeded_stderr = Arc::new(AtomicBool::new(false));
+        let mut b = WasiCtxBuilder::new();
+        let mut argv = vec!["task".to_string()];
+        argv.extend(spec.args.iter().cloned());
+        b.args(&argv);
+        b.envs(&spec.env);
+        b.stdout(output::CappedOutput::new(
+            spec.limits.stdout_bytes,
+            spec.stdout,
+            exceeded_stdout.clone(),
+        ));
+        b.stderr(output::CappedOutput::new(
+            spec.limits.stderr_bytes,
+            spec.stderr,
+            exceeded_stderr.clone(),
+        ));
+        b.allow_tcp(false)
+            .allow_udp(false)
+            .allow_ip_name_lookup(false);
+        b.socket_addr_check(|_, _| Box::pin(async { false }));
+        if let Some(input) = &spec.input_dir {
+            b.preopened_dir(input, "/input", FsPerms::ReadOnly)
+                .map_err(|e| SandboxError::Setup(format!("input dir {}: {e}", input.display())))?;
+        }
+        std::fs::create_dir_all(&spec.output_dir).map_err(|e| {
+            SandboxError::Setup(format!("output dir {}: {e}", spec.output_dir.display()))
+        })?;
+        b.preopened_dir(&spec.output_dir, "/output", FsPerms::ReadWrite)
+            .map_err(|e| {
+                SandboxError::Setup(format!("output dir {}: {e}", spec.output_dir.display()))
+            })?;
+        let host = Host {
+            wasi: b.build_p1(),
+            limiter: Limiter {
+                memory_bytes: spec.limits.memory_bytes,
+                table_elements: spec.limits.table_elements,
+            },
+        };
+        let mut store = Store::new(engine, host);
+        store.limiter(|h| &mut h.limiter);
+        if let Some(fuel) = spec.limits.fuel {
+            store
+                .set_fuel(fuel)
+                .map_err(|e| SandboxError::Setup(e.to_string()))?;
+        }
+        let deadline = Instant::now() + spec.limits.wall_time;
+        let cancel = spec.cancel.clone();
+        let (out_dir, max_bytes, max_files) = (
+            spec.output_dir.clone(),
+            spec.limits.output_bytes,
+            spec.limits.output_files,
+        );
+        let (so, se) = (exceeded_stdout.clone(), exceeded_stderr.clone());
+        let mut ticks = 0u64;
+        store.set_epoch_deadline(1);
+        store.epoch_deadline_callback(move |_| {
+            ticks += 1;
+            if cancel.is_cancelled() {
+                return Err(Stop::Cancelled.into());
+            }
+            if Instant::now() >= deadline {
+                return Err(Stop::TimedOut.into());
+            }
+            if so.load(Ordering::SeqCst) {
+                return Err(Stop::Output("stdout".into()).into());
+            }
+            if se.load(Ordering::SeqCst) {
+                return Err(Stop::Output("stderr".into()).into());
+            }
+            if ticks.is_multiple_of(OUTPUT_CHECK_TICKS) {
+                if let Some(why) = over_output_limits(&out_dir, max_bytes, max_files) {
+                    return Err(Stop::Output(why).into());
+                }
+            }
+            Ok(UpdateDeadline::Continue(1))
+        });
+        let mut linker: Linker<Host> = Linker::new(engine);
+        wasmtime_wasi::p1::add_to_linker_sync(&mut linker, |h: &mut Host| &mut h.wasi)
+            .map_err(|e| SandboxError::Setup(e.to_string()))?;
+        let result = linker
+            .instantiate(&mut store, &task.module)
+            .and_then(|instance| instance.get_typed_func::<(), ()>(&mut store, "_start"))
+            .and_then(|start| start.call(&mut store, ()));
+        let outcome = match result {
+            Ok(()) => Outcome::Exited(0),
+            Err(e) => classify(&e, &exceeded_stdout, &exceeded_stderr),
+        };
+        // Output left behind counts whatever the guest's exit status.
+        if let Outcome::Exited(_) = outcome {
+            if let Some(why) = over_output_limits(&spec.output_dir, max_bytes, max_files) {
+                return Ok(Outcome::OutputTooLarge(why));
+            }
+        }
+        Ok(outcome)
+    }
+}
+
+fn classify(e: &wasmtime::Error, stdout: &AtomicBool, stderr: &AtomicBool) -> Outcome {
+    if let Some(exit) = e.downcast_ref::<I32Exit>() {
+        return Outcome::Exited(exit.0);
+    }
+    if let Some(stop) = e.downcast_ref::<Stop>() {
+        return match stop {
+            Stop::TimedOut => Outcome::TimedOut,
+            Stop::Cancelled => Outcome::Cancelled,
+            Stop::Output(which) => Outcome::OutputTooLarge(which.clone()),
+            Stop::Memory => Outcome::OutOfMemory,
+        };
+    }
+    if stdout.load(Ordering::SeqCst) {
+        return Outcome::OutputTooLarge("stdout".into());
+    }
+    if stderr.load(Ordering::SeqCst) {
+        return Outcome::OutputTooLarge("stderr".into());
+    }
+    match e.downcast_ref::<Trap>() {
+        Some(Trap::OutOfFuel) => Outcome::OutOfFuel,
+        Some(trap) => Outcome::Trapped(trap.to_string()),
+        None => Outcome::Trapped(format!("{e:#}")),
+    }
+}
+
+/// Size and count of what is in `dir` (recursively), or why it is over the limits.
+fn over_output_limits(dir: &Path, max_bytes: u64, max_files: u64) -> Option<String> {
+    let (mut bytes, mut files) = (0u64, 0u64);
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            files += 1;
+            if let Ok(meta) = entry.metadata() {
+                if meta.is_dir() {
+                    stack.push(entry.path());
+                } else {
+                    bytes += meta.len();
+                }
+            }
+            if files > max_files {
+                return Some(format!("/output holds more than {max_files} files"));
+            }
+            if bytes > max_bytes {
+                return Some(format!("/output holds more than {max_bytes} bytes"));
+            }
+        }
+    }
+    None
+}
+
+impl Drop for WasmExecutor {
+    fn drop(&mut self) {
+        self.stop_ticker.store(true, Ordering::Relaxed);
+        if let Some(t) = self.ticker.take() {
+            let _ = t.join();
+        }
+    }
+}
