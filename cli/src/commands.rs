@@ -271,6 +271,15 @@ fn print_json<T: serde::Serialize>(value: &T) -> Result<()> {
     Ok(())
 }
 
+fn print_lease_view(view: &LeaseView, json: bool) -> Result<ExitCode> {
+    if json {
+        print_json(view)?;
+    } else {
+        output::print_lease(&mut std::io::stdout().lock(), view)?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
 fn parse_size(flag: &str, v: &str) -> Result<u64> {
     parse_bytes(v).map_err(|e| anyhow::anyhow!("invalid --{flag}: {e}"))
 }
@@ -311,12 +320,7 @@ async fn lease_request(
         node.stop().await;
         r?
     };
-    if args.json {
-        print_json(&view)?;
-    } else {
-        output::print_lease(&mut std::io::stdout().lock(), &view)?;
-    }
-    Ok(ExitCode::SUCCESS)
+    print_lease_view(&view, args.json)
 }
 
 async fn lease_renew(
@@ -342,12 +346,7 @@ async fn lease_renew(
         node.stop().await;
         r?
     };
-    if args.json {
-        print_json(&view)?;
-    } else {
-        output::print_lease(&mut std::io::stdout().lock(), &view)?;
-    }
-    Ok(ExitCode::SUCCESS)
+    print_lease_view(&view, args.json)
 }
 
 async fn lease_cancel(

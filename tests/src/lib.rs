@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::process::{Command, Output};
 use std::sync::OnceLock;
 
-/// Path of the `gpunode` binary of this workspace's target dir, built if missing.
+/// Path of the `gpunode` binary of this workspace's target dir, built if out of date.
 pub fn gpunode_bin() -> PathBuf {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
     BIN.get_or_init(|| {
@@ -16,16 +16,17 @@ pub fn gpunode_bin() -> PathBuf {
             .and_then(|p| p.parent())
             .expect("target profile dir")
             .to_path_buf();
-        let bin = profile_dir.join("gpunode");
-        if !bin.exists() {
-            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-            let status = Command::new(cargo)
-                .args(["build", "-p", "gpunode"])
-                .status()
-                .expect("run cargo build");
-            assert!(status.success(), "cargo build -p gpunode failed");
+        // `cargo test` builds only the binaries of packages that have tests, so build
+        // (or confirm up to date) the real binary once per test process.
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let mut build = Command::new(cargo);
+        build.args(["build", "-p", "gpunode"]);
+        if profile_dir.ends_with("release") {
+            build.arg("--release");
         }
-        bin
+        let status = build.status().expect("run cargo build");
+        assert!(status.success(), "cargo build -p gpunode failed");
+        profile_dir.join("gpunode")
     })
     .clone()
 }

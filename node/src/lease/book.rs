@@ -357,6 +357,19 @@ impl LeaseBook {
         });
     }
 
+    /// A lease we provide, or the rejection for an id we do not know as provider.
+    fn provided(&self, id: &LeaseId) -> Result<&LeaseRecord, Rejection> {
+        self.leases
+            .get(id)
+            .filter(|l| l.role == LeaseRole::Provider)
+            .ok_or_else(|| {
+                reject(
+                    RejectCode::UnknownLease,
+                    format!("no lease {id} is provided here"),
+                )
+            })
+    }
+
     fn remember_nonce(&mut self, peer: PeerId, nonce: u64, until: UnixMillis) {
         if let Some(old) = self.nonces.insert((peer, nonce), until) {
             self.nonce_expiry.remove(&(old, peer, nonce));
@@ -604,16 +617,7 @@ impl LeaseBook {
         now: UnixMillis,
     ) -> Result<LeaseId, Rejection> {
         let id = terms.lease_id;
-        let Some(held) = self
-            .leases
-            .get(&id)
-            .filter(|l| l.role == LeaseRole::Provider)
-        else {
-            return Err(reject(
-                RejectCode::UnknownLease,
-                format!("no offer {id} is held here"),
-            ));
-        };
+        let held = self.provided(&id)?;
         if held.terms.requester != *from || terms.requester != *from {
             return Err(reject(
                 RejectCode::UnknownLease,
@@ -667,16 +671,7 @@ impl LeaseBook {
         now: UnixMillis,
     ) -> Result<Vec<u8>, Rejection> {
         let id = renewal.lease_id;
-        let Some(l) = self
-            .leases
-            .get(&id)
-            .filter(|l| l.role == LeaseRole::Provider)
-        else {
-            return Err(reject(
-                RejectCode::UnknownLease,
-                format!("no lease {id} here"),
-            ));
-        };
+        let l = self.provided(&id)?;
         if l.terms.requester != *from {
             return Err(reject(
                 RejectCode::UnknownLease,
