@@ -45,27 +45,31 @@ fn table(out: &mut impl Write, header: &[&str], rows: &[Vec<String>]) -> io::Res
     Ok(())
 }
 
-/// GPUs of an offer grouped by model: `2x A100-80GB 80G (1 idle, 1 busy)`.
+/// GPUs of an offer grouped by model: `2x A100-80GB 80G (1 idle, 1 leased)`.
 pub fn gpu_summary(offer: &OfferView) -> String {
     if offer.gpus.is_empty() {
         return "none (CPU only)".to_string();
     }
-    let mut groups: BTreeMap<(String, u64), (usize, usize)> = BTreeMap::new();
+    // Per model: count, idle, leased, busy with the owner.
+    let mut groups: BTreeMap<(String, u64), [usize; 4]> = BTreeMap::new();
     for g in &offer.gpus {
         let e = groups.entry((g.model.clone(), g.memory_bytes)).or_default();
-        e.0 += 1;
-        if g.state == GpuState::Idle {
-            e.1 += 1;
+        e[0] += 1;
+        match g.state {
+            GpuState::Idle => e[1] += 1,
+            GpuState::Leased => e[2] += 1,
+            GpuState::OwnerBusy => e[3] += 1,
         }
     }
     groups
         .into_iter()
-        .map(|((model, mem), (n, idle))| {
-            let state = match (idle, n - idle) {
-                (i, 0) => format!("{i} idle"),
-                (0, b) => format!("{b} busy"),
-                (i, b) => format!("{i} idle, {b} busy"),
-            };
+        .map(|((model, mem), [n, idle, leased, busy])| {
+            let state = [(idle, "idle"), (leased, "leased"), (busy, "busy")]
+                .iter()
+                .filter(|(c, _)| *c > 0)
+                .map(|(c, w)| format!("{c} {w}"))
+                .collect::<Vec<_>>()
+                .join(", ");
             format!("{n}x {model} {} ({state})", format_bytes(mem))
         })
         .collect::<Vec<_>>()
@@ -319,4 +323,54 @@ pub fn print_leases(out: &mut impl Write, leases: &[gpunode_node::LeaseView]) ->
         ],
         &rows,
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpunode_protocol::advert::AdvertGpu;
+
+    fn gpu(model: &str, gib: u64, state: GpuState) -> AdvertGpu {
+        AdvertGpu {
+            index: 0,
+            uuid: "GPU-x".into(),
+            model: model.into(),
+            memory_bytes: gib << 30,
+            state,
+            mig_enabled: false,
+            compute_capability: None,
+        }
+    }
+
+    #[test]
+    fn gpu_summary_names_each_state() {
+        let offer = OfferView {
+            peer_id: "p".into(),
+            gpus: vec![
+                gpu("A100-80GB", 80, GpuState::Idle),
+                gpu("A100-80GB", 80, GpuState::Leased),
+                gpu("T4-16GB", 16, GpuState::OwnerBusy),
+            ],
+            cpu_cores: 8,
+            ram_bytes: 1 << 30,
+            backends: vec!["wasm".into()],
+            price_per_gpu_hour: 1.0,
+            simulated: true,
+            seq: 1,
+            issued_at_ms: 0,
+            expires_at_ms: 1,
+            listen_addrs: vec![],
+        };
+        assert_eq!(
+            gpu_summary(&offer),
+            "2x A100-80GB 80G (1 idle, 1 leased); 1x T4-16GB 16G (1 busy)"
+        );
+    }
+
+    #[test]
+    fn utc_dates() {
+        assert_eq!(format_utc(0), "1970-01-01 00:00:00 UTC");
+        assert_eq!(format_utc(1_796_033_976_000), "2026-11-30 10:19:36 UTC");
+        assert_eq!(format_utc(951_782_400_000), "2000-02-29 00:00:00 UTC");
+    }
 }
