@@ -29,6 +29,16 @@ impl ServeProcess {
     /// Starts `gpunode serve` on a free loopback port with the given extra arguments and
     /// waits until it listens.
     pub fn start(binary: &Path, data_dir: &Path, extra: &[String]) -> Result<ServeProcess> {
+        ServeProcess::start_opts(binary, data_dir, extra, false)
+    }
+
+    /// Like [`ServeProcess::start`], with LAN discovery by mDNS left on when `mdns` is set.
+    pub fn start_opts(
+        binary: &Path,
+        data_dir: &Path,
+        extra: &[String],
+        mdns: bool,
+    ) -> Result<ServeProcess> {
         std::fs::create_dir_all(data_dir)?;
         let id = Command::new(binary)
             .arg("--data-dir")
@@ -41,7 +51,8 @@ impl ServeProcess {
         let child = Command::new(binary)
             .arg("--data-dir")
             .arg(data_dir)
-            .args(["serve", "--no-mdns"])
+            .arg("serve")
+            .args(if mdns { &[][..] } else { &["--no-mdns"][..] })
             .args(if extra.iter().any(|a| a == "--listen") {
                 &[][..]
             } else {
