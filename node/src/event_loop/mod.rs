@@ -13,13 +13,13 @@
 //! of a capability key and then each provider's advert, and withdraws the advert on
 //! shutdown.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
 use gpunode_protocol::advert::{
-    advert_record_key, capability_keys, peer_of_advert_key, Advert, AdvertError, OfferFilter,
+    advert_record_key, capability_keys, peer_of_advert_key, Advert, OfferFilter,
 };
 use gpunode_protocol::time::now_ms;
 use libp2p::core::ConnectedPoint;
@@ -32,7 +32,10 @@ use libp2p::{identify, mdns, Multiaddr, PeerId, Swarm};
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
+mod finds;
 mod leases;
+
+use finds::PendingFind;
 
 pub(crate) use leases::capacity_from;
 
@@ -43,7 +46,7 @@ use crate::lease::{LeaseBook, LeaseRecord};
 use crate::metrics::Metrics;
 use crate::network::{NodeBehaviour, NodeBehaviourEvent, KAD_PROTOCOL};
 use crate::store::Store;
-use crate::views::{AdvertStatus, NodeStatus, OfferSearch, OfferView};
+use crate::views::{AdvertStatus, NodeStatus, OfferSearch};
 use gpunode_protocol::gpu::GpuState;
 use gpunode_protocol::lease::{Cancellation, LeaseMessage, LeaseReply, LeaseTerms, Rejection};
 use libp2p::request_response::{OutboundRequestId, ResponseChannel};
@@ -102,17 +105,6 @@ pub(crate) enum Command {
         peer: PeerId,
         reply: oneshot::Sender<bool>,
     },
-}
-
-struct PendingFind {
-    filter: OfferFilter,
-    reply: oneshot::Sender<OfferSearch>,
-    providers: HashSet<PeerId>,
-    dht_requests: u32,
-    providers_done: bool,
-    outstanding: usize,
-    found: HashMap<PeerId, Advert>,
-    deadline: Instant,
 }
 
 /// Our own advert: what it says and where it stands.
@@ -504,184 +496,6 @@ impl EventLoop {
         if let Err(e) = self.store.flush() {
             tracing::error!("cannot flush store on shutdown: {e}");
         }
-    }
-
-    fn start_find(&mut self, filter: OfferFilter, reply: oneshot::Sender<OfferSearch>) {
-        let id = self.next_find;
-        self.next_find += 1;
-        let key = RecordKey::new(&filter.capability_key());
-        let query = self.swarm.behaviour_mut().kad.get_providers(key);
-        self.provider_queries.insert(query, id);
-        self.finds.insert(
-            id,
-            PendingFind {
-                filter,
-                reply,
-                providers: HashSet::new(),
-                dht_requests: 0,
-                providers_done: false,
-                outstanding: 0,
-                found: HashMap::new(),
-                deadline: Instant::now() + FIND_TIMEOUT,
-            },
-        );
-    }
-
-    /// Fetches the adverts of known peers, as the second half of an offer query.
-    fn start_advert_fetch(&mut self, peers: Vec<PeerId>, reply: oneshot::Sender<OfferSearch>) {
-        let id = self.next_find;
-        self.next_find += 1;
-        self.finds.insert(
-            id,
-            PendingFind {
-                filter: OfferFilter::default(),
-                reply,
-                providers: peers.iter().copied().collect(),
-                dht_requests: 0,
-                providers_done: false,
-                outstanding: 0,
-                found: HashMap::new(),
-                deadline: Instant::now() + FIND_TIMEOUT,
-            },
-        );
-        self.fetch_adverts(id);
-    }
-
-    fn fetch_adverts(&mut self, id: u64) {
-        let Some(find) = self.finds.get_mut(&id) else {
-            return;
-        };
-        find.providers_done = true;
-        let providers: Vec<PeerId> = find.providers.iter().copied().collect();
-        for peer in providers {
-            let q = self
-                .swarm
-                .behaviour_mut()
-                .kad
-                .get_record(RecordKey::new(&advert_record_key(&peer)));
-            self.record_queries.insert(q, (id, peer));
-            if let Some(find) = self.finds.get_mut(&id) {
-                find.outstanding += 1;
-            }
-        }
-        self.maybe_complete(id);
-    }
-
-    fn on_providers(
-        &mut self,
-        query: QueryId,
-        result: Result<kad::GetProvidersOk, kad::GetProvidersError>,
-        last: bool,
-        requests: u32,
-    ) {
-        let Some(&id) = self.provider_queries.get(&query) else {
-            return;
-        };
-        if let Some(find) = self.finds.get_mut(&id) {
-            if last {
-                find.dht_requests += requests;
-            }
-            if let Ok(kad::GetProvidersOk::FoundProviders { providers, .. }) = result {
-                find.providers
-                    .extend(providers.into_iter().filter(|p| *p != self.local_peer));
-            }
-        }
-        if !last {
-            return;
-        }
-        self.provider_queries.remove(&query);
-        self.fetch_adverts(id);
-    }
-
-    fn on_record(
-        &mut self,
-        query: QueryId,
-        result: Result<kad::GetRecordOk, kad::GetRecordError>,
-        last: bool,
-        requests: u32,
-    ) {
-        let Some(&(id, peer)) = self.record_queries.get(&query) else {
-            return;
-        };
-        let mut resolved = last;
-        if let Ok(kad::GetRecordOk::FoundRecord(found)) = result {
-            if peer_of_advert_key(found.record.key.as_ref()) == Some(peer) {
-                let now = now_ms();
-                // A copy older than one we have seen is answered with the newer one.
-                let accepted = match self.book.accept(&found.record.value, &peer, now) {
-                    Err(AdvertError::Stale { .. }) => {
-                        self.book.latest(&peer, now).cloned().ok_or(())
-                    }
-                    other => other.map_err(|_| ()),
-                };
-                if let Ok(advert) = accepted {
-                    if let Some(find) = self.finds.get_mut(&id) {
-                        let newer = find.found.get(&peer).is_none_or(|a| a.seq < advert.seq);
-                        if newer {
-                            find.found.insert(peer, advert);
-                        }
-                    }
-                    // A valid advert answers the question; stop asking further peers.
-                    if let Some(mut q) = self.swarm.behaviour_mut().kad.query_mut(&query) {
-                        q.finish();
-                    }
-                    resolved = true;
-                }
-            }
-        }
-        if resolved {
-            self.record_queries.remove(&query);
-            if let Some(find) = self.finds.get_mut(&id) {
-                find.dht_requests += requests;
-                find.outstanding = find.outstanding.saturating_sub(1);
-            }
-            self.maybe_complete(id);
-        }
-    }
-
-    fn maybe_complete(&mut self, id: u64) {
-        if self
-            .finds
-            .get(&id)
-            .is_some_and(|f| f.providers_done && f.outstanding == 0)
-        {
-            self.complete_find(id);
-        }
-    }
-
-    fn complete_find(&mut self, id: u64) {
-        let Some(find) = self.finds.remove(&id) else {
-            return;
-        };
-        self.provider_queries.retain(|_, f| *f != id);
-        let kad = &mut self.swarm.behaviour_mut().kad;
-        self.record_queries.retain(|q, (f, _)| {
-            if *f == id {
-                if let Some(mut q) = kad.query_mut(q) {
-                    q.finish();
-                }
-                false
-            } else {
-                true
-            }
-        });
-        let now = now_ms();
-        let mut offers: Vec<OfferView> = find
-            .found
-            .values()
-            .filter(|a| a.expires_at_ms > now && a.matches(&find.filter))
-            .map(OfferView::from)
-            .collect();
-        offers.sort_by(|a, b| {
-            a.price_per_gpu_hour
-                .total_cmp(&b.price_per_gpu_hour)
-                .then_with(|| a.peer_id.cmp(&b.peer_id))
-        });
-        let _ = find.reply.send(OfferSearch {
-            offers,
-            providers: find.providers.len(),
-            dht_requests: find.dht_requests,
-        });
     }
 
     fn on_swarm_event(&mut self, event: SwarmEvent<NodeBehaviourEvent>) {
