@@ -2,7 +2,6 @@
 //! overwritten or left behind.
 
 use std::fs;
-use std::time::Duration;
 
 use gpunode_e2e::{gpunode, gpunode_bin, stderr, stdout};
 use testnet::process::ServeProcess;
@@ -135,9 +134,9 @@ fn bad_flags_and_second_daemon_are_refused() {
     let st = gpunode(&d, &["status", "--json"]);
     assert!(st.status.success(), "{}", stderr(&st));
     assert!(stdout(&st).contains(&first.peer_id));
+    // Dropping it stops the daemon and waits for it to exit.
     drop(first);
     // Without a daemon, status says so and exits non-zero.
-    std::thread::sleep(Duration::from_millis(100));
     let st = gpunode(&d, &["status"]);
     assert_eq!(st.status.code(), Some(1));
     assert!(stdout(&st).contains("not running"));
