@@ -35,6 +35,10 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
         Command::Lease(LeaseCommand::Renew(args)) => lease_renew(data_dir, config, args).await,
         Command::Lease(LeaseCommand::Cancel(args)) => lease_cancel(data_dir, config, args).await,
         Command::Leases(args) => leases(data_dir, config, args).await,
+        Command::Run(args) => crate::jobs::run(data_dir, config, args).await,
+        Command::Jobs(args) => crate::jobs::jobs(data_dir, args.json).await,
+        Command::Logs(args) => crate::jobs::logs(data_dir, args).await,
+        Command::Cancel(args) => crate::jobs::cancel(data_dir, args).await,
         Command::Id => {
             let key = data_dir.load_or_create_identity()?;
             println!("{}", key.public().to_peer_id());
@@ -222,13 +226,13 @@ fn serde_urlencoded_query(q: &OffersQuery) -> String {
 
 /// A short-lived node for commands run without a daemon: same identity and store as
 /// the daemon would use (the store lock keeps one owner), advertises nothing.
-struct ClientNode {
+pub(crate) struct ClientNode {
     node: Node,
-    handle: NodeHandle,
+    pub(crate) handle: NodeHandle,
 }
 
 impl ClientNode {
-    async fn start(
+    pub(crate) async fn start(
         data_dir: DataDir,
         config: &mut NodeConfig,
         net: &NetworkArgs,
@@ -259,12 +263,12 @@ impl ClientNode {
         Ok(ClientNode { node, handle })
     }
 
-    async fn stop(self) {
+    pub(crate) async fn stop(self) {
         self.node.shutdown().await;
     }
 }
 
-fn print_json<T: serde::Serialize>(value: &T) -> Result<()> {
+pub(crate) fn print_json<T: serde::Serialize>(value: &T) -> Result<()> {
     let mut out = std::io::stdout().lock();
     serde_json::to_writer_pretty(&mut out, value)?;
     writeln!(out)?;
@@ -280,11 +284,11 @@ fn print_lease_view(view: &LeaseView, json: bool) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn parse_size(flag: &str, v: &str) -> Result<u64> {
+pub(crate) fn parse_size(flag: &str, v: &str) -> Result<u64> {
     parse_bytes(v).map_err(|e| anyhow::anyhow!("invalid --{flag}: {e}"))
 }
 
-fn parse_time(flag: &str, v: &str) -> Result<Duration> {
+pub(crate) fn parse_time(flag: &str, v: &str) -> Result<Duration> {
     parse_duration(v).map_err(|e| anyhow::anyhow!("invalid --{flag}: {e}"))
 }
 
@@ -307,6 +311,7 @@ async fn lease_request(
         backend: args.backend.clone(),
         duration_ms: parse_time("duration", &args.duration)?.as_millis() as u64,
         max_price: args.max_price,
+        exclude: Vec::new(),
     };
     if spec.duration_ms == 0 {
         anyhow::bail!("invalid --duration: a lease must last longer than 0");
@@ -411,7 +416,7 @@ async fn leases(data_dir: DataDir, config: NodeConfig, args: LeasesArgs) -> Resu
     Ok(ExitCode::SUCCESS)
 }
 
-fn url_segment(id: &str) -> String {
+pub(crate) fn url_segment(id: &str) -> String {
     id.chars().filter(|c| c.is_ascii_alphanumeric()).collect()
 }
 

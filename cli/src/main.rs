@@ -6,6 +6,7 @@
 //! printed once, with their causes, and exit with code 2.
 
 mod commands;
+mod jobs;
 mod output;
 
 use std::path::PathBuf;
@@ -43,6 +44,91 @@ enum Command {
     Lease(LeaseCommand),
     /// List leases on this node, as provider and as requester.
     Leases(LeasesArgs),
+    /// Run a WASI task (.wasm or .wat) on a provider: output streams back live, output
+    /// files land in --output, and the exit code is the task's.
+    Run(RunArgs),
+    /// List jobs submitted through the daemon.
+    Jobs(JobsArgs),
+    /// Print a job's output (stdout and stderr).
+    Logs(LogsArgs),
+    /// Stop a running job.
+    Cancel(JobArgs),
+}
+
+#[derive(Debug, Args)]
+struct RunArgs {
+    #[command(flatten)]
+    net: NetworkArgs,
+    /// The task: a WASI preview 1 module (.wasm) or its text form (.wat).
+    #[arg(value_name = "TASK")]
+    task: PathBuf,
+    /// File or directory the task sees under /input (repeatable).
+    #[arg(long, value_name = "PATH")]
+    input: Vec<PathBuf>,
+    /// Where the files the task writes to /output go [default: ./gpunode-out/JOB_ID].
+    #[arg(long, value_name = "DIR")]
+    output: Option<PathBuf>,
+    /// GPUs to lease.
+    #[arg(long, default_value_t = 0)]
+    gpus: u32,
+    /// GPU model or family, e.g. A100.
+    #[arg(long, value_name = "MODEL")]
+    gpu_model: Option<String>,
+    /// CPU cores to lease.
+    #[arg(long, default_value_t = 1)]
+    cpus: u32,
+    /// Memory to lease; also the task's memory limit, e.g. 2G.
+    #[arg(long, value_name = "SIZE", default_value = "512M")]
+    mem: String,
+    /// Wall-clock limit of the task, e.g. 10m.
+    #[arg(long, value_name = "DURATION", default_value = "10m")]
+    timeout: String,
+    /// Highest acceptable price, credits per GPU-hour.
+    #[arg(long, value_name = "CREDITS")]
+    max_price: Option<f64>,
+    /// Run on this provider only (peer id).
+    #[arg(long, value_name = "PEER")]
+    peer: Option<String>,
+    /// Environment variable for the task, NAME=VALUE (repeatable).
+    #[arg(long, value_name = "NAME=VALUE")]
+    env: Vec<String>,
+    /// Other providers to try if one fails before the task ends.
+    #[arg(long, value_name = "N", default_value_t = 2)]
+    retries: u32,
+    /// Instruction budget (deterministic metering; slower).
+    #[arg(long, value_name = "UNITS")]
+    fuel: Option<u64>,
+    /// Submit to the daemon, print the job id and return.
+    #[arg(long)]
+    detach: bool,
+    /// No progress bars or status lines, only the task's output.
+    #[arg(long, short)]
+    quiet: bool,
+    /// Arguments passed to the task.
+    #[arg(last = true, value_name = "ARGS")]
+    args: Vec<String>,
+}
+
+#[derive(Debug, Args)]
+struct JobsArgs {
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, Args)]
+struct LogsArgs {
+    /// Job id (or a unique prefix).
+    job: String,
+    /// Keep printing until the job ends.
+    #[arg(long, short)]
+    follow: bool,
+}
+
+#[derive(Debug, Args)]
+struct JobArgs {
+    /// Job id (or a unique prefix).
+    job: String,
 }
 
 #[derive(Debug, Subcommand)]

@@ -325,6 +325,58 @@ pub fn print_leases(out: &mut impl Write, leases: &[gpunode_node::LeaseView]) ->
     )
 }
 
+/// The `gpunode jobs` table.
+pub fn print_jobs(out: &mut impl Write, jobs: &[gpunode_node::jobs::JobView]) -> io::Result<()> {
+    if jobs.is_empty() {
+        return writeln!(out, "No jobs yet. Start one with `gpunode run TASK.wasm`.");
+    }
+    let now = now_ms();
+    let rows: Vec<Vec<String>> = jobs
+        .iter()
+        .map(|j| {
+            let took = j.ended_ms.unwrap_or(now).saturating_sub(j.submitted_ms);
+            let result = match (&j.summary, &j.error) {
+                (Some(s), _) => match &s.outcome {
+                    gpunode_protocol::job::JobOutcome::Exited(c) => format!("exit {c}"),
+                    other => format!("{other:?}").to_lowercase(),
+                },
+                (None, Some(e)) => e.chars().take(40).collect(),
+                (None, None) => "-".into(),
+            };
+            let task = j
+                .module
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            vec![
+                j.job_id.clone(),
+                j.state.label().to_string(),
+                j.provider
+                    .as_deref()
+                    .map(short_peer)
+                    .unwrap_or_else(|| "-".into()),
+                format_utc(j.submitted_ms),
+                format_age(Duration::from_millis(took)),
+                result,
+                task,
+            ]
+        })
+        .collect();
+    table(
+        out,
+        &[
+            "JOB",
+            "STATE",
+            "PROVIDER",
+            "SUBMITTED",
+            "TIME",
+            "RESULT",
+            "TASK",
+        ],
+        &rows,
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

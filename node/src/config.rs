@@ -90,6 +90,12 @@ pub struct NodeConfig {
     /// These peer ids may never lease.
     #[serde(deserialize_with = "de_peers")]
     pub deny_peers: Vec<PeerId>,
+    /// Disk kept for cached task modules and input files, e.g. `10G`.
+    #[serde(deserialize_with = "de_bytes")]
+    pub blob_cache: u64,
+    /// Largest module plus inputs, and largest outputs, of one job, e.g. `4G`.
+    #[serde(deserialize_with = "de_bytes")]
+    pub max_job_bytes: u64,
 }
 
 impl Default for NodeConfig {
@@ -120,6 +126,8 @@ impl Default for NodeConfig {
             max_gpus_per_peer: None,
             allow_peers: Vec::new(),
             deny_peers: Vec::new(),
+            blob_cache: 10 << 30,
+            max_job_bytes: 4 << 30,
         }
     }
 }
@@ -255,6 +263,11 @@ fn de_opt_bytes<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error
     parse_bytes(&text)
         .map(Some)
         .map_err(serde::de::Error::custom)
+}
+
+fn de_bytes<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+    let text = String::deserialize(d)?;
+    parse_bytes(&text).map_err(serde::de::Error::custom)
 }
 
 #[cfg(test)]

@@ -84,6 +84,21 @@ impl DataDir {
         self.root.join("store")
     }
 
+    /// Compiled task modules (this node's own artifacts only).
+    pub fn module_cache_dir(&self) -> PathBuf {
+        self.root.join("cache").join("modules")
+    }
+
+    /// Task modules and input files received from peers, by content hash.
+    pub fn blob_dir(&self) -> PathBuf {
+        self.root.join("cache").join("blobs")
+    }
+
+    /// Working directories of jobs running here.
+    pub fn jobs_dir(&self) -> PathBuf {
+        self.root.join("jobs")
+    }
+
     /// The control socket of the local API.
     pub fn api_socket(&self) -> PathBuf {
         self.root.join("api.sock")

@@ -14,6 +14,7 @@ pub mod config;
 pub mod data_dir;
 mod event_loop;
 pub mod inventory;
+pub mod jobs;
 pub mod lease;
 pub mod metrics;
 pub mod network;
@@ -105,6 +106,12 @@ pub enum NodeError {
     /// The local API could not start.
     #[error(transparent)]
     Api(#[from] api::ApiError),
+    /// The sandbox or job service could not start.
+    #[error("cannot set up the sandbox: {0}")]
+    Sandbox(String),
+    /// A job stream could not be opened.
+    #[error("{0}")]
+    Job(String),
     /// The node has stopped.
     #[error("the node has stopped")]
     Stopped,
@@ -117,6 +124,20 @@ pub struct NodeHandle {
     keypair: libp2p::identity::Keypair,
     commands: mpsc::Sender<Command>,
     metrics: Arc<Metrics>,
+    jobs: Arc<JobsContext>,
+}
+
+/// What the job side of a node shares: streams, the sandbox, this user's jobs.
+pub(crate) struct JobsContext {
+    control: libp2p_stream::Control,
+    executor: Arc<gpunode_sandbox::WasmExecutor>,
+    table: jobs::table::JobTable,
+}
+
+impl std::fmt::Debug for JobsContext {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("JobsContext").finish_non_exhaustive()
+    }
 }
 
 impl NodeHandle {
@@ -140,6 +161,83 @@ impl NodeHandle {
             .await
             .map_err(|_| NodeError::Stopped)?;
         rx.await.map_err(|_| NodeError::Stopped)
+    }
+
+    /// A lease by id, if this node has it.
+    pub async fn lease(
+        &self,
+        id: &gpunode_protocol::lease::LeaseId,
+    ) -> Result<Option<lease::LeaseRecord>, NodeError> {
+        let prefix = id.to_string();
+        Ok(self
+            .ask(|reply| Command::ResolveLease { prefix, reply })
+            .await?
+            .ok())
+    }
+
+    /// Starts a job in the background; follow it with [`NodeHandle::job_events`].
+    pub fn submit_job(&self, mut req: jobs::JobRequest) -> jobs::JobView {
+        let table = self.jobs.table.clone();
+        let (job_id, cancel) = table.insert(&req);
+        if req.output_per_job {
+            req.output_dir = req.output_dir.join(&job_id);
+            req.output_per_job = false;
+        }
+        let node = self.clone();
+        let id = job_id.clone();
+        tokio::spawn(async move {
+            let t = table.clone();
+            let idc = id.clone();
+            let mut events = move |e: jobs::JobEvent| t.push(&idc, e);
+            let result = node.run_job(req, &mut events, cancel).await;
+            let end = match result {
+                Ok(summary) => jobs::JobEvent::Finished { summary },
+                Err(e) => jobs::JobEvent::Failed {
+                    error: e.to_string(),
+                },
+            };
+            table.push(&id, end);
+        });
+        self.jobs
+            .table
+            .get(&job_id)
+            .expect("the job was just inserted")
+    }
+
+    /// Opens a raw stream of the job protocol to `peer` (for tools and tests that speak
+    /// the protocol themselves; jobs normally go through [`NodeHandle::submit_job`]).
+    pub async fn open_job_stream(&self, peer: PeerId) -> Result<libp2p::Stream, NodeError> {
+        self.jobs
+            .control
+            .clone()
+            .open_stream(peer, jobs::JOB_PROTOCOL)
+            .await
+            .map_err(|e| NodeError::Job(format!("cannot open a job stream: {e}")))
+    }
+
+    /// This user's jobs, newest first.
+    pub fn list_jobs(&self) -> Vec<jobs::JobView> {
+        self.jobs.table.list()
+    }
+
+    /// One job by id or unique prefix.
+    pub fn get_job(&self, prefix: &str) -> Result<jobs::JobView, String> {
+        self.jobs.table.get(prefix)
+    }
+
+    /// Stops a job; returns its id.
+    pub fn cancel_job(&self, prefix: &str) -> Result<String, String> {
+        self.jobs.table.cancel(prefix)
+    }
+
+    /// A job's events from position `from`, waiting up to `wait` for new ones.
+    pub async fn job_events(
+        &self,
+        prefix: &str,
+        from: usize,
+        wait: Duration,
+    ) -> Result<jobs::table::EventPage, String> {
+        self.jobs.table.events(prefix, from, wait).await
     }
 
     /// The node's status.
@@ -184,6 +282,7 @@ pub struct Node {
     event_loop: JoinHandle<()>,
     stop_tasks: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
+    lease_jobs: jobs::LeaseJobs,
 }
 
 impl Node {
@@ -236,12 +335,23 @@ impl Node {
 
         let metrics = Metrics::new();
         let (commands_tx, commands_rx) = mpsc::channel(64);
+        let executor = Arc::new(
+            gpunode_sandbox::WasmExecutor::new(&opts.data_dir.module_cache_dir())
+                .map_err(|e| NodeError::Sandbox(e.to_string()))?,
+        );
+        let mut control = swarm.behaviour().stream.new_control();
         let handle = NodeHandle {
             peer_id,
             keypair: keypair.clone(),
             commands: commands_tx,
             metrics: metrics.clone(),
+            jobs: Arc::new(JobsContext {
+                control: control.clone(),
+                executor: executor.clone(),
+                table: jobs::table::JobTable::default(),
+            }),
         };
+        let lease_jobs = jobs::LeaseJobs::default();
         let (stop_tasks, stop_rx) = watch::channel(false);
         let mut tasks = Vec::new();
         if opts.serve_api {
@@ -268,6 +378,33 @@ impl Node {
         }
 
         event_loop::dial_bootstrap(&mut swarm, &config.bootstrap);
+
+        if opts.role == Role::Provider {
+            let incoming = control
+                .accept(jobs::JOB_PROTOCOL)
+                .map_err(|e| NodeError::Sandbox(e.to_string()))?;
+            let cores = config.cpu_cores.unwrap_or_else(host_cpu_cores).max(1);
+            let blobs = jobs::blobs::BlobCache::open(&opts.data_dir.blob_dir(), config.blob_cache)
+                .map_err(|e| {
+                    NodeError::Sandbox(format!(
+                        "cannot open blob cache {}: {e}",
+                        opts.data_dir.blob_dir().display()
+                    ))
+                })?;
+            let service = Arc::new(jobs::provider::JobService {
+                node: handle.clone(),
+                executor: executor.clone(),
+                blobs: Arc::new(blobs),
+                jobs_dir: opts.data_dir.jobs_dir(),
+                lease_jobs: lease_jobs.clone(),
+                slots: Arc::new(tokio::sync::Semaphore::new(cores as usize)),
+                total_slots: cores,
+                max_job_bytes: config.max_job_bytes,
+            });
+            // Working directories left by a crash are stale: their jobs are gone.
+            let _ = std::fs::remove_dir_all(opts.data_dir.jobs_dir());
+            tasks.push(tokio::spawn(service.serve(incoming, stop_rx.clone())));
+        }
 
         let (snap_tx, snap_rx) = mpsc::channel(4);
         tasks.push(tokio::spawn(poll_inventory(
@@ -323,6 +460,7 @@ impl Node {
             inventory: first_snapshot,
             offer,
             leases,
+            lease_jobs: lease_jobs.clone(),
         });
         let event_loop = tokio::spawn(event_loop.run());
         Ok(Node {
@@ -330,6 +468,7 @@ impl Node {
             event_loop,
             stop_tasks,
             tasks,
+            lease_jobs,
         })
     }
 
@@ -340,6 +479,7 @@ impl Node {
 
     /// Graceful stop: withdraw the advert, flush the store, close the API.
     pub async fn shutdown(self) {
+        self.lease_jobs.end_all();
         let _ = self.handle.shutdown().await;
         let _ = self.event_loop.await;
         let _ = self.stop_tasks.send(true);
@@ -350,6 +490,7 @@ impl Node {
 
     /// Stops the node abruptly, as a crash would: nothing is withdrawn.
     pub fn abort(self) {
+        self.lease_jobs.end_all();
         self.event_loop.abort();
         for t in &self.tasks {
             t.abort();

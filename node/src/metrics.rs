@@ -31,6 +31,16 @@ pub struct Metrics {
     pub leases_active: Gauge,
     /// GPUs this node has lent or holds for an offer.
     pub leased_gpus: Gauge,
+    /// Jobs this node ran for peers, by outcome (`exited`, `timed_out`, ...).
+    pub jobs_run: Family<Vec<(String, String)>, Counter>,
+    /// Jobs refused before running, by reason (`unknown_lease`, `too_large`, ...).
+    pub jobs_rejected: Family<Vec<(String, String)>, Counter>,
+    /// Jobs running here now.
+    pub jobs_running: Gauge,
+    /// Blob bytes received from requesters (modules and inputs not already cached).
+    pub job_bytes_received: Counter,
+    /// Blob bytes found in the cache instead of being sent again.
+    pub job_bytes_cached: Counter,
 }
 
 impl Metrics {
@@ -91,7 +101,38 @@ impl Metrics {
             "GPUs lent or held for an offer",
             leased_gpus.clone(),
         );
+        let jobs_run = Family::<Vec<(String, String)>, Counter>::default();
+        let jobs_rejected = Family::<Vec<(String, String)>, Counter>::default();
+        let jobs_running = Gauge::default();
+        let job_bytes_received = Counter::default();
+        let job_bytes_cached = Counter::default();
+        registry.register(
+            "jobs_run",
+            "Jobs run for peers, by outcome",
+            jobs_run.clone(),
+        );
+        registry.register(
+            "jobs_rejected",
+            "Jobs refused before running, by reason",
+            jobs_rejected.clone(),
+        );
+        registry.register("jobs_running", "Jobs running now", jobs_running.clone());
+        registry.register(
+            "job_bytes_received",
+            "Module and input bytes received from requesters",
+            job_bytes_received.clone(),
+        );
+        registry.register(
+            "job_bytes_cached",
+            "Module and input bytes found in the blob cache instead of sent again",
+            job_bytes_cached.clone(),
+        );
         Arc::new(Metrics {
+            jobs_run,
+            jobs_rejected,
+            jobs_running,
+            job_bytes_received,
+            job_bytes_cached,
             registry,
             peers_connected,
             routing_table_peers,
@@ -110,6 +151,27 @@ impl Metrics {
         self.adverts_rejected
             .get_or_create(&vec![("reason".to_string(), reason.to_string())])
             .inc();
+    }
+
+    /// Counts a job that ran, under its outcome.
+    pub fn job_run(&self, outcome: &str) {
+        self.jobs_run
+            .get_or_create(&vec![("outcome".to_string(), outcome.to_string())])
+            .inc();
+    }
+
+    /// Counts a refused job under `reason`.
+    pub fn job_rejected(&self, reason: &str) {
+        self.jobs_rejected
+            .get_or_create(&vec![("reason".to_string(), reason.to_string())])
+            .inc();
+    }
+
+    /// How many jobs were refused for `reason`.
+    pub fn job_rejected_count(&self, reason: &str) -> u64 {
+        self.jobs_rejected
+            .get_or_create(&vec![("reason".to_string(), reason.to_string())])
+            .get()
     }
 
     /// Counts a refused lease message under `reason`.

@@ -43,6 +43,8 @@ pub struct NodeBehaviour {
     pub mdns: Toggle<mdns::tokio::Behaviour>,
     /// Lease negotiation.
     pub lease: request_response::Behaviour<LeaseCodec>,
+    /// Raw streams (the job protocol), driven from outside the event loop.
+    pub stream: libp2p_stream::Behaviour,
 }
 
 /// Settings the swarm is built from.
@@ -125,6 +127,7 @@ pub fn build_swarm(
                 ping: ping::Behaviour::default(),
                 mdns: Toggle::from(mdns),
                 lease,
+                stream: libp2p_stream::Behaviour::new(),
             })
         })
         .map_err(|e| err(&e))?

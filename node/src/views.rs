@@ -193,6 +193,9 @@ pub struct LeaseSpec {
     pub duration_ms: u64,
     /// Highest acceptable credits per GPU-hour.
     pub max_price: Option<f64>,
+    /// Providers not to ask (peer ids), e.g. ones that just failed a job.
+    #[serde(default)]
+    pub exclude: Vec<String>,
 }
 
 /// The outcome of a cancellation.

@@ -7,6 +7,7 @@
 pub mod advert;
 pub mod encoding;
 pub mod gpu;
+pub mod job;
 pub mod lease;
 pub mod signing;
 pub mod time;

@@ -29,6 +29,7 @@ fn spec(peer: Option<String>) -> LeaseSpec {
         backend: "wasm".into(),
         duration_ms: 600_000,
         max_price: None,
+        exclude: Vec::new(),
     }
 }
 

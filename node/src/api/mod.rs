@@ -5,6 +5,8 @@
 //! Routes: `GET /v1/status`, `GET /v1/offers?gpu_model=&min_gpu_mem=&gpus=&backend=`,
 //! `GET /v1/leases`, `POST /v1/leases` (a [`crate::LeaseSpec`]),
 //! `POST /v1/leases/{id}/renew` (`{"extend_ms": N}`), `POST /v1/leases/{id}/cancel`,
+//! `GET /v1/jobs`, `POST /v1/jobs` (a [`crate::jobs::JobRequest`]), `GET /v1/jobs/{id}`,
+//! `GET /v1/jobs/{id}/events?from=N&wait_ms=M` (long poll), `POST /v1/jobs/{id}/cancel`,
 //! `GET /metrics`.
 
 mod client;
@@ -171,6 +173,67 @@ async fn cancel_lease(
         .map_err(LeaseApiError)
 }
 
+/// Query of `GET /v1/jobs/{id}/events`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct EventsQuery {
+    /// Position to read from (the `next` of the previous page).
+    #[serde(default)]
+    pub from: usize,
+    /// How long to wait for new events when there are none, ms (at most 1000).
+    #[serde(default)]
+    pub wait_ms: u64,
+}
+
+/// Longest a events request waits, so a daemon shutdown is never held up for long.
+const MAX_EVENTS_WAIT_MS: u64 = 1000;
+
+fn not_found(message: String) -> Response {
+    let status = if message.starts_with("no job") {
+        StatusCode::NOT_FOUND
+    } else {
+        StatusCode::BAD_REQUEST
+    };
+    (status, message).into_response()
+}
+
+async fn submit_job(
+    State(node): State<NodeHandle>,
+    Json(req): Json<crate::jobs::JobRequest>,
+) -> Json<crate::jobs::JobView> {
+    Json(node.submit_job(req))
+}
+
+async fn list_jobs(State(node): State<NodeHandle>) -> Json<Vec<crate::jobs::JobView>> {
+    Json(node.list_jobs())
+}
+
+async fn get_job(State(node): State<NodeHandle>, UrlPath(id): UrlPath<String>) -> Response {
+    match node.get_job(&id) {
+        Ok(v) => Json(v).into_response(),
+        Err(m) => not_found(m),
+    }
+}
+
+async fn cancel_job(State(node): State<NodeHandle>, UrlPath(id): UrlPath<String>) -> Response {
+    match node.cancel_job(&id) {
+        Ok(id) => Json(serde_json::json!({ "job_id": id })).into_response(),
+        Err(m) if m.contains("already") => (StatusCode::CONFLICT, m).into_response(),
+        Err(m) => not_found(m),
+    }
+}
+
+async fn job_events(
+    State(node): State<NodeHandle>,
+    UrlPath(id): UrlPath<String>,
+    Query(q): Query<EventsQuery>,
+) -> Response {
+    let wait = std::time::Duration::from_millis(q.wait_ms.min(MAX_EVENTS_WAIT_MS));
+    match node.job_events(&id, q.from, wait).await {
+        Ok(page) => Json(page).into_response(),
+        Err(m) => not_found(m),
+    }
+}
+
 async fn metrics_text(metrics: Arc<Metrics>) -> Response {
     (
         [(
@@ -195,6 +258,10 @@ pub async fn serve_unix(listener: UnixListener, node: NodeHandle, mut stop: watc
         .route("/v1/leases", get(list_leases).post(request_lease))
         .route("/v1/leases/{id}/renew", axum::routing::post(renew_lease))
         .route("/v1/leases/{id}/cancel", axum::routing::post(cancel_lease))
+        .route("/v1/jobs", get(list_jobs).post(submit_job))
+        .route("/v1/jobs/{id}", get(get_job))
+        .route("/v1/jobs/{id}/events", get(job_events))
+        .route("/v1/jobs/{id}/cancel", axum::routing::post(cancel_job))
         .route("/metrics", get(move || metrics_text(metrics.clone())))
         .with_state(node);
     let _ = axum::serve(listener, app)

@@ -137,9 +137,21 @@ impl EventLoop {
 
     /// Writes pending lease changes to the store (durable at the next flush).
     pub(super) fn persist_leases(&mut self) {
-        if let Err(e) = persist::write_changes(&self.store, &mut self.leases) {
+        if let Err(e) = self.write_lease_changes() {
             tracing::error!("cannot store lease changes: {e}");
         }
+    }
+
+    /// Writes lease changes and stops the jobs of every lease that ended.
+    fn write_lease_changes(&mut self) -> Result<(), crate::store::StoreError> {
+        let ended = persist::write_changes(&self.store, &mut self.leases)?;
+        for id in ended {
+            let stopped = self.lease_jobs.end_lease(&id);
+            if stopped > 0 {
+                tracing::info!(lease = %id, "lease ended: stopped {stopped} job(s)");
+            }
+        }
+        Ok(())
     }
 
     /// Makes the batch durable, then sends every reply waiting for it.
@@ -276,7 +288,7 @@ impl EventLoop {
     }
 
     fn persist_durably(&mut self) -> Result<(), String> {
-        persist::write_changes(&self.store, &mut self.leases).map_err(|e| e.to_string())?;
+        self.write_lease_changes().map_err(|e| e.to_string())?;
         self.store.flush().map_err(|e| e.to_string())
     }
 }

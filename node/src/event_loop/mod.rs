@@ -140,6 +140,7 @@ pub(crate) struct EventLoop {
     leases: LeaseBook,
     lease_out: HashMap<OutboundRequestId, oneshot::Sender<Result<LeaseReply, String>>>,
     lease_replies: Vec<(ResponseChannel<LeaseReply>, LeaseReply)>,
+    lease_jobs: crate::jobs::LeaseJobs,
 }
 
 /// How the loop is set up.
@@ -155,6 +156,8 @@ pub(crate) struct LoopParts {
     pub offer: Option<(LocalOffer, Duration)>,
     /// Leases restored from the store.
     pub leases: LeaseBook,
+    /// Jobs running under each lease, stopped when it ends.
+    pub lease_jobs: crate::jobs::LeaseJobs,
 }
 
 impl EventLoop {
@@ -194,6 +197,7 @@ impl EventLoop {
             leases: parts.leases,
             lease_out: HashMap::new(),
             lease_replies: Vec::new(),
+            lease_jobs: parts.lease_jobs,
         }
     }
 

@@ -162,6 +162,10 @@ impl NodeHandle {
                     .collect()
             }
         };
+        let candidates: Vec<_> = candidates
+            .into_iter()
+            .filter(|(p, _)| !spec.exclude.contains(&p.to_string()))
+            .collect();
         if candidates.is_empty() {
             return Err(LeaseError::NoProviders(describe(&spec)));
         }

@@ -1,6 +1,7 @@
 //! Leases and spent nonces in the store, so both survive restarts.
 
 use gpunode_protocol::encoding;
+use gpunode_protocol::lease::LeaseId;
 use gpunode_protocol::time::UnixMillis;
 use gpunode_protocol::PeerId;
 
@@ -20,14 +21,19 @@ fn nonce_key(peer: &PeerId, nonce: u64) -> Vec<u8> {
     k
 }
 
-/// Writes the book's pending changes (durable after the next flush).
-pub fn write_changes(store: &Store, book: &mut LeaseBook) -> Result<usize, StoreError> {
+/// Writes the book's pending changes (durable after the next flush). Returns the
+/// leases among them that no longer hold resources (ended, cancelled, failed).
+pub fn write_changes(store: &Store, book: &mut LeaseBook) -> Result<Vec<LeaseId>, StoreError> {
     let changes = book.take_changes();
+    let mut ended = Vec::new();
     for change in &changes {
         match change {
             Change::Lease(id) => {
                 if let Some(record) = book.get(id) {
                     store.put(LEASES, &id.0, &encoding::encode(record))?;
+                    if !record.state.holds_resources() {
+                        ended.push(*id);
+                    }
                 }
             }
             Change::Nonce(peer, nonce, until) => {
@@ -36,7 +42,7 @@ pub fn write_changes(store: &Store, book: &mut LeaseBook) -> Result<usize, Store
             Change::ForgetNonce(peer, nonce) => store.remove(NONCES, &nonce_key(peer, *nonce))?,
         }
     }
-    Ok(changes.len())
+    Ok(ended)
 }
 
 /// Every stored lease and nonce. Entries that do not decode are skipped with a warning

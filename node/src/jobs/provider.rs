@@ -1,0 +1,515 @@
+//! The provider's side of the job protocol: admit a job under an active lease, take the
+//! blobs that are not cached, run the task in the wasm sandbox off the async workers,
+//! stream stdout and stderr back as they are written, then send the output files.
+//!
+//! Every refusal happens before any data is transferred and says what was wrong. A job
+//! is stopped when its requester cancels or disappears, at its timeout, and when its
+//! lease ends ([`super::LeaseJobs`]); its working directory is removed in every case.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::{AsyncReadExt, AsyncWriteExt, StreamExt};
+use gpunode_protocol::job::{
+    check_relative_path, BlobRef, JobFile, JobOutcome, JobRefusal, JobRejection, JobReport,
+    JobSubmit, ProviderMsg, RequesterMsg, JOB_VERSION, MAX_INPUT_FILES, MAX_LOG_PIECE,
+};
+use gpunode_protocol::time::now_ms;
+use gpunode_sandbox::wasm::{CancelToken, Limits, Outcome, RunSpec, WasmExecutor};
+use libp2p::{PeerId, Stream};
+use tokio::sync::{mpsc, watch, Semaphore};
+
+use super::blobs::BlobCache;
+use super::wire::{self, Frame};
+use super::LeaseJobs;
+use crate::lease::{LeaseRole, LeaseState};
+use crate::NodeHandle;
+
+/// Smallest wasm memory a job gets when its lease reserved no RAM.
+const DEFAULT_JOB_MEMORY: u64 = 256 << 20;
+/// Largest wasm32 linear memory.
+const WASM32_MAX_MEMORY: u64 = 4 << 30;
+
+/// What the provider needs to run jobs.
+pub struct JobService {
+    /// To look leases up.
+    pub node: NodeHandle,
+    /// The node's sandbox.
+    pub executor: Arc<WasmExecutor>,
+    /// Modules and inputs by hash.
+    pub blobs: Arc<BlobCache>,
+    /// Where job working directories go.
+    pub jobs_dir: PathBuf,
+    /// Running jobs by lease.
+    pub lease_jobs: LeaseJobs,
+    /// One permit per offered CPU core; a job holds as many as its lease has CPUs.
+    pub slots: Arc<Semaphore>,
+    /// Permits in total.
+    pub total_slots: u32,
+    /// Cap on a job's inputs and on its outputs.
+    pub max_job_bytes: u64,
+}
+
+fn reject(code: JobRefusal, message: impl Into<String>) -> JobRejection {
+    JobRejection {
+        code,
+        message: message.into(),
+    }
+}
+
+/// What admission decided for a job.
+struct Admitted {
+    wall_time: Duration,
+    memory_bytes: u64,
+    cpus: u32,
+}
+
+impl JobService {
+    /// Serves inbound job streams until `stop` turns true.
+    pub async fn serve(
+        self: Arc<Self>,
+        mut incoming: libp2p_stream::IncomingStreams,
+        mut stop: watch::Receiver<bool>,
+    ) {
+        loop {
+            tokio::select! {
+                next = incoming.next() => match next {
+                    Some((peer, stream)) => {
+                        let me = self.clone();
+                        tokio::spawn(async move { me.handle(peer, stream).await });
+                    }
+                    None => return,
+                },
+                _ = stop.changed() => return,
+            }
+        }
+    }
+
+    async fn handle(self: Arc<Self>, peer: PeerId, stream: Stream) {
+        let (mut r, mut w) = AsyncReadExt::split(stream);
+        let submit = match wire::read_message::<_, RequesterMsg>(&mut r).await {
+            Ok(RequesterMsg::Submit(s)) => s,
+            Ok(RequesterMsg::Cancel) => return,
+            Err(e) => {
+                tracing::debug!(%peer, "bad job request: {e}");
+                let rej = reject(
+                    JobRefusal::BadRequest,
+                    format!("malformed job request: {e}"),
+                );
+                self.node.metrics().job_rejected(rej.code.label());
+                let _ = wire::write_message(&mut w, &ProviderMsg::Rejected(rej)).await;
+                let _ = w.close().await;
+                return;
+            }
+        };
+        let admitted = match self.admit(peer, &submit).await {
+            Ok(a) => a,
+            Err(rej) => {
+                tracing::info!(%peer, "job refused: {}", rej.message);
+                self.node.metrics().job_rejected(rej.code.label());
+                let _ = wire::write_message(&mut w, &ProviderMsg::Rejected(rej)).await;
+                let _ = w.close().await;
+                return;
+            }
+        };
+        let mut wanted = vec![submit.module];
+        wanted.extend(submit.inputs.iter().map(|f| f.blob));
+        let missing = self.blobs.pin_and_find_missing(&wanted);
+        let sent: u64 = missing.iter().map(|b| b.size).sum();
+        let metrics = self.node.metrics();
+        metrics.job_bytes_received.inc_by(sent);
+        metrics
+            .job_bytes_cached
+            .inc_by(submit.input_bytes().saturating_sub(sent));
+        let result = self
+            .run_admitted(peer, &submit, admitted, &missing, r, &mut w)
+            .await;
+        self.blobs.unpin(&wanted);
+        if let Err(e) = result {
+            tracing::info!(%peer, lease = %submit.lease_id, "job ended early: {e}");
+        }
+        let _ = w.close().await;
+    }
+
+    async fn admit(&self, peer: PeerId, s: &JobSubmit) -> Result<Admitted, JobRejection> {
+        if s.version != JOB_VERSION {
+            return Err(reject(
+                JobRefusal::BadRequest,
+                format!(
+                    "job protocol version {} is not supported (this node speaks {JOB_VERSION})",
+                    s.version
+                ),
+            ));
+        }
+        if s.inputs.len() > MAX_INPUT_FILES {
+            return Err(reject(
+                JobRefusal::BadRequest,
+                format!("at most {MAX_INPUT_FILES} input files per job"),
+            ));
+        }
+        let mut seen = std::collections::HashSet::new();
+        for f in &s.inputs {
+            check_relative_path(&f.path).map_err(|m| reject(JobRefusal::BadRequest, m))?;
+            if !seen.insert(f.path.as_str()) {
+                return Err(reject(
+                    JobRefusal::BadRequest,
+                    format!("input path '{}' is given twice", f.path),
+                ));
+            }
+        }
+        let record = self
+            .node
+            .lease(&s.lease_id)
+            .await
+            .map_err(|e| reject(JobRefusal::ProviderError, e.to_string()))?
+            .ok_or_else(|| {
+                reject(
+                    JobRefusal::UnknownLease,
+                    format!("no lease {} here; lease first", s.lease_id),
+                )
+            })?;
+        if record.role != LeaseRole::Provider || record.terms.requester != peer {
+            return Err(reject(
+                JobRefusal::NotYourLease,
+                format!("lease {} is not yours", s.lease_id),
+            ));
+        }
+        let now = now_ms();
+        if record.state != LeaseState::Active || record.terms.end_ms <= now {
+            return Err(reject(
+                JobRefusal::LeaseNotActive,
+                format!(
+                    "lease {} is {}, not active; request a new one",
+                    s.lease_id,
+                    record.state.label()
+                ),
+            ));
+        }
+        if record.terms.backend != "wasm" {
+            return Err(reject(
+                JobRefusal::WrongBackend,
+                format!(
+                    "lease {} is for the {} backend; wasm tasks need a wasm lease",
+                    s.lease_id, record.terms.backend
+                ),
+            ));
+        }
+        let limit = self.max_job_bytes.min(self.blobs.max_bytes());
+        if s.input_bytes() > limit {
+            return Err(reject(
+                JobRefusal::TooLarge,
+                format!(
+                    "module and inputs total {} bytes; this provider takes at most {limit} bytes per job",
+                    s.input_bytes()
+                ),
+            ));
+        }
+        let lease_left = record.terms.end_ms - now;
+        let memory = if record.terms.mem_bytes == 0 {
+            DEFAULT_JOB_MEMORY
+        } else {
+            record.terms.mem_bytes.min(WASM32_MAX_MEMORY)
+        };
+        Ok(Admitted {
+            wall_time: Duration::from_millis(s.timeout_ms.min(lease_left)),
+            memory_bytes: memory,
+            cpus: record.terms.cpus.clamp(1, self.total_slots.max(1)),
+        })
+    }
+
+    async fn run_admitted<R, W>(
+        &self,
+        peer: PeerId,
+        submit: &JobSubmit,
+        admitted: Admitted,
+        missing: &[BlobRef],
+        mut r: R,
+        w: &mut W,
+    ) -> std::io::Result<()>
+    where
+        R: futures::AsyncRead + Unpin + Send + 'static,
+        W: futures::AsyncWrite + Unpin,
+    {
+        let accepted = ProviderMsg::Accepted {
+            missing: missing.iter().map(|b| b.hash).collect(),
+        };
+        wire::write_message(w, &accepted).await?;
+        w.flush().await?;
+        for blob in missing {
+            let temp = self.blobs.temp_path();
+            let mut file = tokio::fs::File::create(&temp).await?;
+            let got =
+                wire::receive_blob::<_, _, RequesterMsg>(&mut r, &mut file, blob, |_| {}).await;
+            drop(file);
+            if let Err(e) = got.and_then(|()| self.blobs.commit(&temp, blob)) {
+                let _ = tokio::fs::remove_file(&temp).await;
+                let rej = reject(JobRefusal::Corrupt, e.to_string());
+                self.node.metrics().job_rejected(rej.code.label());
+                let _ = wire::write_message(w, &ProviderMsg::Rejected(rej)).await;
+                return Err(e);
+            }
+        }
+        // The commits above pinned the new blobs once more; the caller unpins `wanted`.
+        let _unpin_new = UnpinOnDrop(&self.blobs, missing.to_vec());
+
+        let module_path = self.blobs.path(&submit.module.hash);
+        let exec = self.executor.clone();
+        let fuel = submit.fuel.is_some();
+        let compiled = tokio::task::spawn_blocking(move || {
+            let bytes = std::fs::read(&module_path).map_err(|e| e.to_string())?;
+            exec.compile(&bytes, fuel).map_err(|e| e.to_string())
+        })
+        .await
+        .map_err(std::io::Error::other)?;
+        let task = match compiled {
+            Ok(t) => t,
+            Err(e) => {
+                let rej = reject(JobRefusal::InvalidModule, e);
+                self.node.metrics().job_rejected(rej.code.label());
+                wire::write_message(w, &ProviderMsg::Rejected(rej)).await?;
+                return Ok(());
+            }
+        };
+        let module_cached = task.source != gpunode_sandbox::wasm::CacheSource::Compiled;
+
+        let workdir = JobDir::create(&self.jobs_dir)?;
+        if let Err(e) = self.materialize_inputs(&submit.inputs, &workdir.input()) {
+            let rej = reject(
+                JobRefusal::ProviderError,
+                format!("cannot stage inputs: {e}"),
+            );
+            self.node.metrics().job_rejected(rej.code.label());
+            wire::write_message(w, &ProviderMsg::Rejected(rej)).await?;
+            return Err(e);
+        }
+
+        let cancel = CancelToken::new();
+        let key = self.lease_jobs.add(submit.lease_id, cancel.clone());
+        let _registered = Unregister(&self.lease_jobs, submit.lease_id, key);
+        // The lease may have ended between admission and registration.
+        if !matches!(self.node.lease(&submit.lease_id).await, Ok(Some(l)) if l.state == LeaseState::Active)
+        {
+            cancel.cancel();
+        }
+        let permits = self
+            .slots
+            .clone()
+            .acquire_many_owned(admitted.cpus)
+            .await
+            .map_err(std::io::Error::other)?;
+
+        let metrics = self.node.metrics().clone();
+        metrics.jobs_running.inc();
+        let _running = scopeguard(move || {
+            metrics.jobs_running.dec();
+        });
+        wire::write_message(w, &ProviderMsg::Started).await?;
+        w.flush().await?;
+
+        // The requester may cancel, or vanish, while the task runs.
+        let watcher = {
+            let cancel = cancel.clone();
+            tokio::spawn(async move {
+                loop {
+                    match wire::read_frame::<_, RequesterMsg>(&mut r).await {
+                        Ok(Some(Frame::Message(RequesterMsg::Cancel))) | Ok(None) | Err(_) => {
+                            cancel.cancel();
+                            return;
+                        }
+                        Ok(Some(_)) => {}
+                    }
+                }
+            })
+        };
+
+        let (tx, mut rx) = mpsc::channel::<ProviderMsg>(64);
+        let limits = Limits {
+            wall_time: admitted.wall_time,
+            fuel: submit.fuel,
+            memory_bytes: admitted.memory_bytes as usize,
+            output_bytes: self.max_job_bytes,
+            ..Limits::default()
+        };
+        let spec = RunSpec {
+            args: submit.args.clone(),
+            env: submit.env.clone(),
+            input_dir: Some(workdir.input()),
+            output_dir: workdir.output(),
+            limits,
+            stdout: log_sink(tx.clone(), ProviderMsg::Stdout),
+            stderr: log_sink(tx, ProviderMsg::Stderr),
+            cancel: cancel.clone(),
+        };
+        let exec = self.executor.clone();
+        let started = Instant::now();
+        let run = tokio::task::spawn_blocking(move || exec.run(&task, spec));
+        while let Some(msg) = rx.recv().await {
+            wire::write_message(w, &msg).await?;
+            if rx.is_empty() {
+                w.flush().await?;
+            }
+        }
+        let outcome = run.await.map_err(std::io::Error::other)?;
+        let run_ms = started.elapsed().as_millis() as u64;
+        drop(permits);
+        watcher.abort();
+        let outcome = match outcome {
+            Ok(o) => wire_outcome(o),
+            Err(e) => {
+                let rej = reject(JobRefusal::ProviderError, e.to_string());
+                self.node.metrics().job_rejected(rej.code.label());
+                wire::write_message(w, &ProviderMsg::Rejected(rej)).await?;
+                return Ok(());
+            }
+        };
+        tracing::info!(%peer, lease = %submit.lease_id, ?outcome, run_ms, "job finished");
+        self.node.metrics().job_run(outcome.label());
+        let outputs = list_outputs(&workdir.output()).await?;
+        let report = JobReport {
+            outcome,
+            run_ms,
+            module_cached,
+            outputs: outputs.iter().map(|(f, _)| f.clone()).collect(),
+        };
+        wire::write_message(w, &ProviderMsg::Finished(report)).await?;
+        for (file, path) in &outputs {
+            let mut src = tokio::fs::File::open(path).await?;
+            wire::send_blob(w, &mut src, file.blob.size, |_| {}).await?;
+        }
+        w.flush().await?;
+        Ok(())
+    }
+
+    /// Hard-links (or copies) each cached input into the job's input directory.
+    fn materialize_inputs(&self, inputs: &[JobFile], dir: &Path) -> std::io::Result<()> {
+        for f in inputs {
+            let dst = dir.join(&f.path);
+            if let Some(parent) = dst.parent() {
+                std::fs::create_dir_all(parent)?;
+            }
+            let src = self.blobs.path(&f.blob.hash);
+            if std::fs::hard_link(&src, &dst).is_err() {
+                std::fs::copy(&src, &dst)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Runs `f` when dropped.
+fn scopeguard<F: FnOnce()>(f: F) -> impl Drop {
+    struct Guard<F: FnOnce()>(Option<F>);
+    impl<F: FnOnce()> Drop for Guard<F> {
+        fn drop(&mut self) {
+            if let Some(f) = self.0.take() {
+                f();
+            }
+        }
+    }
+    Guard(Some(f))
+}
+
+struct UnpinOnDrop<'a>(&'a BlobCache, Vec<BlobRef>);
+
+impl Drop for UnpinOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.unpin(&self.1);
+    }
+}
+
+struct Unregister<'a>(&'a LeaseJobs, gpunode_protocol::lease::LeaseId, u64);
+
+impl Drop for Unregister<'_> {
+    fn drop(&mut self) {
+        self.0.remove(self.1, self.2);
+    }
+}
+
+/// A job's working directory, removed when dropped.
+struct JobDir(PathBuf);
+
+impl JobDir {
+    fn create(root: &Path) -> std::io::Result<JobDir> {
+        let dir = root.join(format!("{:016x}", rand::random::<u64>()));
+        std::fs::create_dir_all(dir.join("input"))?;
+        std::fs::create_dir_all(dir.join("output"))?;
+        Ok(JobDir(dir))
+    }
+    fn input(&self) -> PathBuf {
+        self.0.join("input")
+    }
+    fn output(&self) -> PathBuf {
+        self.0.join("output")
+    }
+}
+
+impl Drop for JobDir {
+    fn drop(&mut self) {
+        if let Err(e) = std::fs::remove_dir_all(&self.0) {
+            tracing::warn!("cannot remove job directory {}: {e}", self.0.display());
+        }
+    }
+}
+
+/// Forwards guest output to the stream writer in bounded pieces. The sandbox calls it
+/// from inside WASI's own runtime, so it waits for room by sleeping, not by blocking on
+/// tokio; when the requester is gone the output is dropped.
+fn log_sink(
+    tx: mpsc::Sender<ProviderMsg>,
+    wrap: fn(Vec<u8>) -> ProviderMsg,
+) -> gpunode_sandbox::wasm::OutputSink {
+    Box::new(move |bytes: &[u8]| {
+        for piece in bytes.chunks(MAX_LOG_PIECE) {
+            let mut msg = wrap(piece.to_vec());
+            loop {
+                match tx.try_send(msg) {
+                    Ok(()) => break,
+                    Err(mpsc::error::TrySendError::Full(m)) => {
+                        msg = m;
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                    Err(mpsc::error::TrySendError::Closed(_)) => return,
+                }
+            }
+        }
+    })
+}
+
+fn wire_outcome(o: Outcome) -> JobOutcome {
+    match o {
+        Outcome::Exited(c) => JobOutcome::Exited(c),
+        Outcome::Trapped(t) => JobOutcome::Trapped(t),
+        Outcome::TimedOut => JobOutcome::TimedOut,
+        Outcome::OutOfFuel => JobOutcome::OutOfFuel,
+        Outcome::OutOfMemory => JobOutcome::OutOfMemory,
+        Outcome::OutputTooLarge(w) => JobOutcome::OutputTooLarge(w),
+        Outcome::Cancelled => JobOutcome::Cancelled,
+    }
+}
+
+/// Every regular file under `dir`, with its relative path and hash, sorted by path.
+async fn list_outputs(dir: &Path) -> std::io::Result<Vec<(JobFile, PathBuf)>> {
+    let mut files = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for entry in std::fs::read_dir(&d)? {
+            let entry = entry?;
+            let kind = entry.file_type()?;
+            let path = entry.path();
+            if kind.is_dir() {
+                stack.push(path);
+            } else if kind.is_file() {
+                let rel = path
+                    .strip_prefix(dir)
+                    .map_err(std::io::Error::other)?
+                    .to_string_lossy()
+                    .replace('\\', "/");
+                let blob = wire::hash_file(&path).await?;
+                files.push((JobFile { path: rel, blob }, path));
+            }
+        }
+    }
+    files.sort_by(|a, b| a.0.path.cmp(&b.0.path));
+    Ok(files)
+}

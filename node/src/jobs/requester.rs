@@ -1,0 +1,611 @@
+//! The requester's side of a job: check the task locally (an invalid module never costs
+//! a lease), hash the module and inputs, lease a provider, upload only what it lacks,
+//! relay stdout and stderr as they arrive, download and verify the output files, and
+//! retry on another provider when one vanishes or fails before the task ends.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use futures::{AsyncReadExt, AsyncWriteExt};
+use gpunode_protocol::job::{
+    check_relative_path, BlobHash, BlobRef, JobFile, JobOutcome, JobRefusal, JobReport, JobSubmit,
+    ProviderMsg, RequesterMsg, JOB_VERSION, MAX_INPUT_FILES,
+};
+use gpunode_protocol::lease::LeaseId;
+use libp2p::PeerId;
+use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
+
+use super::wire;
+use super::JOB_PROTOCOL;
+use crate::{LeaseError, LeaseSpec, LeaseView, NodeHandle};
+
+/// How long after the task's timeout the lease runs, for transfers on both ends.
+const LEASE_MARGIN_MS: u64 = 120_000;
+/// How long opening the job stream may take.
+const OPEN_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a cancelled job may take to report back.
+const CANCEL_GRACE: Duration = Duration::from_secs(5);
+
+/// What to run, with paths on this machine.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct JobRequest {
+    /// The task: a `.wasm` module or `.wat` text.
+    pub module: PathBuf,
+    /// Files or directories shown under `/input` by their names.
+    #[serde(default)]
+    pub inputs: Vec<PathBuf>,
+    /// Where output files go (absolute).
+    pub output_dir: PathBuf,
+    /// Put outputs in a subdirectory of `output_dir` named by the job id.
+    #[serde(default)]
+    pub output_per_job: bool,
+    /// Arguments after the program name.
+    #[serde(default)]
+    pub args: Vec<String>,
+    /// Environment for the task.
+    #[serde(default)]
+    pub env: Vec<(String, String)>,
+    /// GPUs to lease.
+    #[serde(default)]
+    pub gpus: u32,
+    /// GPU model or family.
+    #[serde(default)]
+    pub gpu_model: Option<String>,
+    /// CPU cores to lease.
+    pub cpus: u32,
+    /// RAM to lease (also the task's memory limit), bytes.
+    pub mem_bytes: u64,
+    /// Wall-clock limit of the task, ms.
+    pub timeout_ms: u64,
+    /// Highest acceptable credits per GPU-hour.
+    #[serde(default)]
+    pub max_price: Option<f64>,
+    /// Ask this provider only.
+    #[serde(default)]
+    pub peer: Option<String>,
+    /// Other providers to try after a failure.
+    pub retries: u32,
+    /// Fuel budget (deterministic metering).
+    #[serde(default)]
+    pub fuel: Option<u64>,
+}
+
+/// Something that happened to a job, in order.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum JobEvent {
+    /// A provider granted a lease.
+    Leased {
+        /// The provider.
+        provider: String,
+        /// The lease.
+        lease_id: String,
+        /// Its price.
+        price_per_gpu_hour: f64,
+    },
+    /// Bytes moved for one file.
+    Progress {
+        /// `upload` or `download`.
+        direction: String,
+        /// Which file.
+        name: String,
+        /// Bytes so far.
+        done: u64,
+        /// Bytes in all.
+        total: u64,
+    },
+    /// The task started on the provider.
+    Started {
+        /// The provider.
+        provider: String,
+    },
+    /// Task stdout.
+    Stdout {
+        /// The bytes.
+        #[serde(with = "base64_bytes")]
+        data: Vec<u8>,
+    },
+    /// Task stderr.
+    Stderr {
+        /// The bytes.
+        #[serde(with = "base64_bytes")]
+        data: Vec<u8>,
+    },
+    /// The provider failed; trying another.
+    Retrying {
+        /// The provider that failed.
+        provider: String,
+        /// What happened.
+        reason: String,
+        /// Attempt about to start (2 = first retry).
+        attempt: u32,
+    },
+    /// The job ended with a result.
+    Finished {
+        /// What happened.
+        summary: JobSummary,
+    },
+    /// The job could not be run.
+    Failed {
+        /// Why.
+        error: String,
+    },
+}
+
+mod base64_bytes {
+    use base64::Engine;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(v: &[u8], s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&base64::engine::general_purpose::STANDARD.encode(v))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {
+        let text = String::deserialize(d)?;
+        base64::engine::general_purpose::STANDARD
+            .decode(text)
+            .map_err(serde::de::Error::custom)
+    }
+}
+
+/// The end of a job, for the summary line and `gpunode jobs`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct JobSummary {
+    /// The provider that ran it.
+    pub provider: String,
+    /// The lease it ran under.
+    pub lease_id: String,
+    /// How it ended.
+    pub outcome: JobOutcome,
+    /// Exit code for the shell: the task's own, or a conventional one (see `exit_code`).
+    pub exit_code: i32,
+    /// From lease to last output byte, ms.
+    pub wall_ms: u64,
+    /// Time the task ran on the provider, ms.
+    pub run_ms: u64,
+    /// Credits: price per GPU-hour × GPUs × wall time.
+    pub cost: f64,
+    /// Where outputs were written.
+    pub output_dir: PathBuf,
+    /// Output files, relative to `output_dir`.
+    pub outputs: Vec<String>,
+    /// Providers tried.
+    pub attempts: u32,
+    /// Whether the provider had the compiled module cached.
+    pub module_cached: bool,
+}
+
+/// Exit code a shell sees for an outcome: the task's code when it exited (0..=255),
+/// 124 for a timeout (like `timeout(1)`), 130 when cancelled, 137 when out of memory,
+/// 1 otherwise.
+pub fn exit_code(outcome: &JobOutcome) -> i32 {
+    match outcome {
+        JobOutcome::Exited(c) if (0..=255).contains(c) => *c,
+        JobOutcome::TimedOut => 124,
+        JobOutcome::Cancelled => 130,
+        JobOutcome::OutOfMemory => 137,
+        _ => 1,
+    }
+}
+
+/// Why a job could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum JobError {
+    /// A local file or the request itself is wrong; nothing was leased.
+    #[error("{0}")]
+    Invalid(String),
+    /// No lease could be had.
+    #[error(transparent)]
+    Lease(#[from] LeaseError),
+    /// Every attempt failed.
+    #[error("{0}")]
+    Failed(String),
+    /// Cancelled before it started.
+    #[error("cancelled")]
+    Cancelled,
+}
+
+/// One input file on this machine.
+struct LocalFile {
+    file: JobFile,
+    path: PathBuf,
+}
+
+/// The job with everything hashed, ready to send to any provider.
+struct Prepared {
+    module: Vec<u8>,
+    module_blob: BlobRef,
+    inputs: Vec<LocalFile>,
+}
+
+/// How one attempt ended.
+enum Attempt {
+    Done(JobReport),
+    /// The provider refused or failed; another may do.
+    Retry(String),
+    /// No provider can do this (the module or request is bad).
+    Fatal(String),
+}
+
+impl NodeHandle {
+    /// Runs a job to its end, reporting each step to `events`. `cancel` turning true
+    /// stops it (the provider is told, the lease is cancelled).
+    pub async fn run_job(
+        &self,
+        req: JobRequest,
+        events: &mut (dyn FnMut(JobEvent) + Send),
+        mut cancel: watch::Receiver<bool>,
+    ) -> Result<JobSummary, JobError> {
+        let prepared = self.prepare(&req).await?;
+        let mut exclude: Vec<String> = Vec::new();
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            if *cancel.borrow() {
+                return Err(JobError::Cancelled);
+            }
+            let spec = LeaseSpec {
+                peer: req.peer.clone(),
+                gpus: req.gpus,
+                gpu_model: req.gpu_model.clone(),
+                min_gpu_mem_bytes: None,
+                cpus: req.cpus,
+                mem_bytes: req.mem_bytes,
+                backend: "wasm".into(),
+                duration_ms: req.timeout_ms.saturating_add(LEASE_MARGIN_MS),
+                max_price: req.max_price,
+                exclude: exclude.clone(),
+            };
+            let lease = match self.request_lease(spec).await {
+                Ok(l) => l,
+                Err(e) if attempt == 1 => return Err(e.into()),
+                Err(e) => {
+                    return Err(JobError::Failed(format!(
+                        "{} provider(s) failed and no other is available: {e}",
+                        attempt - 1
+                    )))
+                }
+            };
+            events(JobEvent::Leased {
+                provider: lease.provider.clone(),
+                lease_id: lease.lease_id.clone(),
+                price_per_gpu_hour: lease.price_per_gpu_hour,
+            });
+            let started = Instant::now();
+            let outcome = self
+                .attempt(&req, &prepared, &lease, events, &mut cancel)
+                .await;
+            // The job is over on this lease either way: release the provider's resources
+            // (in the background, so a dead provider does not hold up the retry).
+            let node = self.clone();
+            let lease_id = lease.lease_id.clone();
+            tokio::spawn(async move {
+                let _ = node.cancel_lease(&lease_id).await;
+            });
+            match outcome {
+                Attempt::Done(report) => {
+                    let wall_ms = started.elapsed().as_millis() as u64;
+                    let gpus = lease.gpus.len() as f64;
+                    return Ok(JobSummary {
+                        provider: lease.provider.clone(),
+                        lease_id: lease.lease_id.clone(),
+                        exit_code: exit_code(&report.outcome),
+                        outcome: report.outcome,
+                        wall_ms,
+                        run_ms: report.run_ms,
+                        cost: lease.price_per_gpu_hour * gpus * wall_ms as f64 / 3_600_000.0,
+                        output_dir: req.output_dir.clone(),
+                        outputs: report.outputs.iter().map(|f| f.path.clone()).collect(),
+                        attempts: attempt,
+                        module_cached: report.module_cached,
+                    });
+                }
+                Attempt::Fatal(why) => return Err(JobError::Failed(why)),
+                Attempt::Retry(why) if attempt <= req.retries && req.peer.is_none() => {
+                    events(JobEvent::Retrying {
+                        provider: lease.provider.clone(),
+                        reason: why,
+                        attempt: attempt + 1,
+                    });
+                    exclude.push(lease.provider.clone());
+                }
+                Attempt::Retry(why) => {
+                    return Err(JobError::Failed(format!(
+                        "provider {} failed: {why}",
+                        lease.provider
+                    )))
+                }
+            }
+        }
+    }
+
+    /// Reads, checks and hashes everything the job sends.
+    async fn prepare(&self, req: &JobRequest) -> Result<Prepared, JobError> {
+        if req.timeout_ms == 0 {
+            return Err(JobError::Invalid(
+                "the timeout must be positive, e.g. --timeout 10m".into(),
+            ));
+        }
+        let module = tokio::fs::read(&req.module).await.map_err(|e| {
+            JobError::Invalid(format!(
+                "cannot read task file {}: {e}",
+                req.module.display()
+            ))
+        })?;
+        let exec = self.jobs.executor.clone();
+        let bytes = module.clone();
+        let fuel = req.fuel.is_some();
+        tokio::task::spawn_blocking(move || exec.compile(&bytes, fuel))
+            .await
+            .map_err(|e| JobError::Invalid(e.to_string()))?
+            .map_err(|e| {
+                JobError::Invalid(format!(
+                    "{} is not a runnable task: {e}",
+                    req.module.display()
+                ))
+            })?;
+        let module_blob = BlobRef {
+            hash: *blake3::hash(&module).as_bytes(),
+            size: module.len() as u64,
+        };
+        let mut inputs = Vec::new();
+        for root in &req.inputs {
+            collect_inputs(root, &mut inputs).await?;
+        }
+        if inputs.len() > MAX_INPUT_FILES {
+            return Err(JobError::Invalid(format!(
+                "{} input files; at most {MAX_INPUT_FILES} per job (pack them into an archive)",
+                inputs.len()
+            )));
+        }
+        let mut seen = std::collections::HashSet::new();
+        for f in &inputs {
+            if !seen.insert(f.file.path.clone()) {
+                return Err(JobError::Invalid(format!(
+                    "two inputs are both named '{}' under /input; rename one",
+                    f.file.path
+                )));
+            }
+        }
+        Ok(Prepared {
+            module,
+            module_blob,
+            inputs,
+        })
+    }
+
+    async fn attempt(
+        &self,
+        req: &JobRequest,
+        prepared: &Prepared,
+        lease: &LeaseView,
+        events: &mut (dyn FnMut(JobEvent) + Send),
+        cancel: &mut watch::Receiver<bool>,
+    ) -> Attempt {
+        let (Ok(provider), Ok(lease_id)) = (
+            lease.provider.parse::<PeerId>(),
+            lease.lease_id.parse::<LeaseId>(),
+        ) else {
+            return Attempt::Fatal("the lease names an invalid provider or id".into());
+        };
+        let mut control = self.jobs.control.clone();
+        let stream =
+            match tokio::time::timeout(OPEN_TIMEOUT, control.open_stream(provider, JOB_PROTOCOL))
+                .await
+            {
+                Ok(Ok(s)) => s,
+                Ok(Err(e)) => return Attempt::Retry(format!("cannot open a job stream: {e}")),
+                Err(_) => return Attempt::Retry("opening a job stream timed out".into()),
+            };
+        let (mut r, mut w) = AsyncReadExt::split(stream);
+        let submit = JobSubmit {
+            version: JOB_VERSION,
+            lease_id,
+            module: prepared.module_blob,
+            inputs: prepared.inputs.iter().map(|f| f.file.clone()).collect(),
+            args: req.args.clone(),
+            env: req.env.clone(),
+            timeout_ms: req.timeout_ms,
+            fuel: req.fuel,
+        };
+        let lost = |e: std::io::Error| Attempt::Retry(format!("the provider went away: {e}"));
+        if let Err(e) = wire::write_message(&mut w, &RequesterMsg::Submit(submit)).await {
+            return lost(e);
+        }
+        if let Err(e) = w.flush().await {
+            return lost(e);
+        }
+        let missing = match wire::read_message::<_, ProviderMsg>(&mut r).await {
+            Ok(ProviderMsg::Accepted { missing }) => missing,
+            Ok(ProviderMsg::Rejected(rej)) => return refused(rej),
+            Ok(other) => return Attempt::Retry(format!("unexpected answer {other:?}")),
+            Err(e) => return lost(e),
+        };
+        if let Err(e) = self.upload(prepared, &missing, &mut w, events).await {
+            return lost(e);
+        }
+
+        // Follow the run; a cancel is passed on once and then we wait for the report.
+        let mut cancel_sent = false;
+        let mut cancel_deadline: Option<tokio::time::Instant> = None;
+        let report = loop {
+            let next = wire::read_message::<_, ProviderMsg>(&mut r);
+            let msg = tokio::select! {
+                m = next => m,
+                _ = cancel.changed(), if !cancel_sent => {
+                    cancel_sent = true;
+                    cancel_deadline = Some(tokio::time::Instant::now() + CANCEL_GRACE);
+                    let _ = wire::write_message(&mut w, &RequesterMsg::Cancel).await;
+                    let _ = w.flush().await;
+                    continue;
+                }
+                _ = sleep_until_opt(cancel_deadline) => {
+                    return Attempt::Fatal("cancelled (the provider did not confirm)".into());
+                }
+            };
+            match msg {
+                Ok(ProviderMsg::Started) => events(JobEvent::Started {
+                    provider: lease.provider.clone(),
+                }),
+                Ok(ProviderMsg::Stdout(data)) => events(JobEvent::Stdout { data }),
+                Ok(ProviderMsg::Stderr(data)) => events(JobEvent::Stderr { data }),
+                Ok(ProviderMsg::Finished(report)) => break report,
+                Ok(ProviderMsg::Rejected(rej)) => return refused(rej),
+                Ok(ProviderMsg::Accepted { .. }) => {
+                    return Attempt::Retry("the provider repeated itself".into())
+                }
+                Err(e) => return lost(e),
+            }
+        };
+        match self.download(req, &report, &mut r, events).await {
+            Ok(()) => Attempt::Done(report),
+            Err(e) => Attempt::Retry(format!("downloading outputs failed: {e}")),
+        }
+    }
+
+    async fn upload<W: futures::AsyncWrite + Unpin>(
+        &self,
+        prepared: &Prepared,
+        missing: &[BlobHash],
+        w: &mut W,
+        events: &mut (dyn FnMut(JobEvent) + Send),
+    ) -> std::io::Result<()> {
+        let by_hash: HashMap<BlobHash, &LocalFile> = prepared
+            .inputs
+            .iter()
+            .map(|f| (f.file.blob.hash, f))
+            .collect();
+        for hash in missing {
+            if *hash == prepared.module_blob.hash {
+                let size = prepared.module_blob.size;
+                wire::send_blob(w, &mut &prepared.module[..], size, |_| {}).await?;
+                continue;
+            }
+            let Some(local) = by_hash.get(hash) else {
+                return Err(std::io::Error::other(
+                    "the provider asked for a blob this job does not have",
+                ));
+            };
+            let size = local.file.blob.size;
+            let mut src = tokio::fs::File::open(&local.path).await?;
+            let name = local.file.path.clone();
+            let mut report = progress_reporter("upload", &name, size, events);
+            wire::send_blob(w, &mut src, size, &mut report).await?;
+        }
+        w.flush().await
+    }
+
+    async fn download<R: futures::AsyncRead + Unpin>(
+        &self,
+        req: &JobRequest,
+        report: &JobReport,
+        r: &mut R,
+        events: &mut (dyn FnMut(JobEvent) + Send),
+    ) -> std::io::Result<()> {
+        if report.outputs.is_empty() {
+            return Ok(());
+        }
+        tokio::fs::create_dir_all(&req.output_dir).await?;
+        for f in &report.outputs {
+            check_relative_path(&f.path).map_err(std::io::Error::other)?;
+            let dst = req.output_dir.join(&f.path);
+            if let Some(parent) = dst.parent() {
+                tokio::fs::create_dir_all(parent).await?;
+            }
+            let temp = dst.with_file_name(format!(
+                ".{}.partial",
+                dst.file_name()
+                    .map(|n| n.to_string_lossy())
+                    .unwrap_or_default()
+            ));
+            let mut file = tokio::fs::File::create(&temp).await?;
+            let mut progress = progress_reporter("download", &f.path, f.blob.size, events);
+            let got =
+                wire::receive_blob::<_, _, ProviderMsg>(r, &mut file, &f.blob, &mut progress).await;
+            drop(file);
+            match got {
+                Ok(()) => tokio::fs::rename(&temp, &dst).await?,
+                Err(e) => {
+                    let _ = tokio::fs::remove_file(&temp).await;
+                    return Err(e);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Progress events for one file: every 8 MiB and at the end (small files: none).
+fn progress_reporter<'a>(
+    direction: &'a str,
+    name: &'a str,
+    total: u64,
+    events: &'a mut (dyn FnMut(JobEvent) + Send),
+) -> impl FnMut(u64) + 'a {
+    const STEP: u64 = 8 << 20;
+    let mut last = 0u64;
+    move |done| {
+        if total >= STEP && (done - last >= STEP || done == total) {
+            last = done;
+            events(JobEvent::Progress {
+                direction: direction.to_string(),
+                name: name.to_string(),
+                done,
+                total,
+            });
+        }
+    }
+}
+
+fn refused(rej: gpunode_protocol::job::JobRejection) -> Attempt {
+    match rej.code {
+        JobRefusal::InvalidModule | JobRefusal::BadRequest => Attempt::Fatal(rej.message),
+        _ => Attempt::Retry(rej.message),
+    }
+}
+
+async fn sleep_until_opt(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Adds `root` (a file, or a directory walked recursively) to `out`, named by its last
+/// path component.
+async fn collect_inputs(root: &Path, out: &mut Vec<LocalFile>) -> Result<(), JobError> {
+    let invalid = |e: std::io::Error, p: &Path| {
+        JobError::Invalid(format!("cannot read input {}: {e}", p.display()))
+    };
+    let name = root
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .ok_or_else(|| JobError::Invalid(format!("input {} has no file name", root.display())))?;
+    let mut stack = vec![(root.to_path_buf(), name)];
+    while let Some((path, rel)) = stack.pop() {
+        let meta = tokio::fs::metadata(&path)
+            .await
+            .map_err(|e| invalid(e, &path))?;
+        if meta.is_dir() {
+            let mut dir = tokio::fs::read_dir(&path)
+                .await
+                .map_err(|e| invalid(e, &path))?;
+            while let Some(entry) = dir.next_entry().await.map_err(|e| invalid(e, &path))? {
+                let child = entry.file_name().to_string_lossy().into_owned();
+                stack.push((entry.path(), format!("{rel}/{child}")));
+            }
+        } else if meta.is_file() {
+            check_relative_path(&rel).map_err(JobError::Invalid)?;
+            let blob = wire::hash_file(&path)
+                .await
+                .map_err(|e| invalid(e, &path))?;
+            out.push(LocalFile {
+                file: JobFile { path: rel, blob },
+                path,
+            });
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,447 @@
+//! The jobs a node runs for its own user: each job's view (state, provider, result) and
+//! its events in order, so `gpunode jobs`, `gpunode logs [--follow]` and a re-attached
+//! `gpunode run` read the same history. Events are kept in memory up to a bound per job
+//! (the oldest output is dropped first, and the view says so). The table lives in
+//! memory: a daemon restart forgets it (the leases themselves are in the store).
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use gpunode_protocol::time::{now_ms, UnixMillis};
+use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
+
+use super::requester::{JobEvent, JobRequest, JobSummary};
+
+/// Output bytes kept per job for `logs`.
+const MAX_LOG_BYTES: usize = 8 << 20;
+/// Finished jobs remembered in memory.
+const MAX_FINISHED: usize = 1000;
+
+/// Where a job stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum JobState {
+    /// Looking for a provider and leasing.
+    Leasing,
+    /// Sending the module and inputs.
+    Uploading,
+    /// Running on the provider.
+    Running,
+    /// Ended with a result (whatever the exit code).
+    Finished,
+    /// Could not be run.
+    Failed,
+    /// Stopped by the user.
+    Cancelled,
+}
+
+impl JobState {
+    /// Whether the job is over.
+    pub fn is_final(self) -> bool {
+        matches!(
+            self,
+            JobState::Finished | JobState::Failed | JobState::Cancelled
+        )
+    }
+
+    /// A word for tables.
+    pub fn label(self) -> &'static str {
+        match self {
+            JobState::Leasing => "leasing",
+            JobState::Uploading => "uploading",
+            JobState::Running => "running",
+            JobState::Finished => "finished",
+            JobState::Failed => "failed",
+            JobState::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// A job as `gpunode jobs` shows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct JobView {
+    /// Job id (16 hex digits).
+    pub job_id: String,
+    /// The task file.
+    pub module: PathBuf,
+    /// Arguments.
+    pub args: Vec<String>,
+    /// Where it stands.
+    pub state: JobState,
+    /// Current or last provider.
+    pub provider: Option<String>,
+    /// Current or last lease.
+    pub lease_id: Option<String>,
+    /// When it was submitted.
+    pub submitted_ms: UnixMillis,
+    /// When it ended.
+    pub ended_ms: Option<UnixMillis>,
+    /// The result, once finished.
+    pub summary: Option<JobSummary>,
+    /// Why it failed.
+    pub error: Option<String>,
+    /// Output bytes dropped from the log because of its bound.
+    pub log_bytes_dropped: u64,
+}
+
+struct Entry {
+    view: JobView,
+    events: Vec<JobEvent>,
+    /// Events dropped from the front.
+    offset: usize,
+    log_bytes: usize,
+    changed: watch::Sender<usize>,
+    cancel: watch::Sender<bool>,
+}
+
+/// Events from a position on, and whether the job is over.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EventPage {
+    /// The events.
+    pub events: Vec<JobEvent>,
+    /// Position to ask from next.
+    pub next: usize,
+    /// The job is over and `events` reached its last event.
+    pub done: bool,
+}
+
+/// All jobs of this node's user.
+#[derive(Clone, Default)]
+pub struct JobTable {
+    inner: Arc<Mutex<HashMap<String, Entry>>>,
+}
+
+impl std::fmt::Debug for JobTable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("JobTable").finish_non_exhaustive()
+    }
+}
+
+impl JobTable {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Entry>> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Adds a new job; returns its id and the receiver its runner watches for a cancel.
+    pub fn insert(&self, req: &JobRequest) -> (String, watch::Receiver<bool>) {
+        let job_id = format!("{:016x}", rand::random::<u64>());
+        let (cancel, cancel_rx) = watch::channel(false);
+        let view = JobView {
+            job_id: job_id.clone(),
+            module: req.module.clone(),
+            args: req.args.clone(),
+            state: JobState::Leasing,
+            provider: None,
+            lease_id: None,
+            submitted_ms: now_ms(),
+            ended_ms: None,
+            summary: None,
+            error: None,
+            log_bytes_dropped: 0,
+        };
+        let mut map = self.lock();
+        forget_oldest_finished(&mut map);
+        map.insert(
+            job_id.clone(),
+            Entry {
+                view,
+                events: Vec::new(),
+                offset: 0,
+                log_bytes: 0,
+                changed: watch::channel(0).0,
+                cancel,
+            },
+        );
+        (job_id, cancel_rx)
+    }
+
+    /// Records an event and moves the job's state along.
+    pub fn push(&self, job_id: &str, event: JobEvent) {
+        let mut map = self.lock();
+        let Some(e) = map.get_mut(job_id) else {
+            return;
+        };
+        match &event {
+            JobEvent::Leased {
+                provider, lease_id, ..
+            } => {
+                e.view.state = JobState::Uploading;
+                e.view.provider = Some(provider.clone());
+                e.view.lease_id = Some(lease_id.clone());
+            }
+            JobEvent::Started { .. } => e.view.state = JobState::Running,
+            JobEvent::Retrying { .. } => e.view.state = JobState::Leasing,
+            JobEvent::Finished { summary } => {
+                e.view.state = if summary.outcome == gpunode_protocol::job::JobOutcome::Cancelled {
+                    JobState::Cancelled
+                } else {
+                    JobState::Finished
+                };
+                e.view.summary = Some(summary.clone());
+                e.view.ended_ms = Some(now_ms());
+            }
+            JobEvent::Failed { error } => {
+                e.view.state = if *e.cancel.borrow() {
+                    JobState::Cancelled
+                } else {
+                    JobState::Failed
+                };
+                e.view.error = Some(error.clone());
+                e.view.ended_ms = Some(now_ms());
+            }
+            JobEvent::Stdout { data } | JobEvent::Stderr { data } => {
+                e.log_bytes += data.len();
+            }
+            JobEvent::Progress { .. } => {}
+        }
+        // Progress of the same file replaces the previous report.
+        if let (
+            Some(JobEvent::Progress {
+                name: a,
+                direction: d,
+                ..
+            }),
+            JobEvent::Progress {
+                name: b,
+                direction: d2,
+                ..
+            },
+        ) = (e.events.last(), &event)
+        {
+            if a == b && d == d2 {
+                e.events.pop();
+                e.offset += 1;
+            }
+        }
+        e.events.push(event);
+        while e.log_bytes > MAX_LOG_BYTES {
+            let Some(pos) = e
+                .events
+                .iter()
+                .position(|ev| matches!(ev, JobEvent::Stdout { .. } | JobEvent::Stderr { .. }))
+            else {
+                break;
+            };
+            // Drop output from the front (only whole events before `pos` stay in order
+            // for followers; positions keep counting through `offset`).
+            let removed = e.events.remove(pos);
+            if let JobEvent::Stdout { data } | JobEvent::Stderr { data } = removed {
+                e.log_bytes -= data.len();
+                e.view.log_bytes_dropped += data.len() as u64;
+            }
+            e.offset += 1;
+        }
+        let total = e.offset + e.events.len();
+        e.changed.send_replace(total);
+    }
+
+    /// One job's view, by id or unique prefix.
+    pub fn get(&self, prefix: &str) -> Result<JobView, String> {
+        let map = self.lock();
+        let id = resolve(&map, prefix)?;
+        Ok(map[&id].view.clone())
+    }
+
+    /// Every job, newest first.
+    pub fn list(&self) -> Vec<JobView> {
+        let mut v: Vec<JobView> = self.lock().values().map(|e| e.view.clone()).collect();
+        v.sort_by_key(|j| std::cmp::Reverse(j.submitted_ms));
+        v
+    }
+
+    /// Asks a job to stop. Returns its id.
+    pub fn cancel(&self, prefix: &str) -> Result<String, String> {
+        let map = self.lock();
+        let id = resolve(&map, prefix)?;
+        let e = &map[&id];
+        if e.view.state.is_final() {
+            return Err(format!("job {id} already {}", e.view.state.label()));
+        }
+        e.cancel.send_replace(true);
+        Ok(id)
+    }
+
+    /// Events from position `from`, waiting up to `wait` for new ones when there are none.
+    pub async fn events(
+        &self,
+        prefix: &str,
+        from: usize,
+        wait: Duration,
+    ) -> Result<EventPage, String> {
+        let mut changed = {
+            let map = self.lock();
+            let id = resolve(&map, prefix)?;
+            map[&id].changed.subscribe()
+        };
+        let deadline = tokio::time::Instant::now() + wait;
+        loop {
+            {
+                let map = self.lock();
+                let id = resolve(&map, prefix)?;
+                let e = &map[&id];
+                let total = e.offset + e.events.len();
+                let final_state = e.view.state.is_final();
+                if from < total || final_state {
+                    let start = from.saturating_sub(e.offset).min(e.events.len());
+                    return Ok(EventPage {
+                        events: e.events[start..].to_vec(),
+                        next: total,
+                        done: final_state,
+                    });
+                }
+            }
+            tokio::select! {
+                r = changed.changed() => if r.is_err() { return Err("job table closed".into()) },
+                _ = tokio::time::sleep_until(deadline) => {
+                    return Ok(EventPage { events: Vec::new(), next: from, done: false });
+                }
+            }
+        }
+    }
+}
+
+fn resolve(map: &HashMap<String, Entry>, prefix: &str) -> Result<String, String> {
+    let prefix = prefix.trim();
+    if prefix.is_empty() {
+        return Err("give a job id (see `gpunode jobs`)".into());
+    }
+    let mut found = map.keys().filter(|k| k.starts_with(prefix));
+    match (found.next(), found.next()) {
+        (Some(id), None) => Ok(id.clone()),
+        (Some(_), Some(_)) => Err(format!(
+            "job id prefix '{prefix}' is ambiguous; give more digits"
+        )),
+        (None, _) => Err(format!("no job '{prefix}' (see `gpunode jobs`)")),
+    }
+}
+
+fn forget_oldest_finished(map: &mut HashMap<String, Entry>) {
+    let finished = map.values().filter(|e| e.view.state.is_final()).count();
+    if finished < MAX_FINISHED {
+        return;
+    }
+    if let Some(id) = map
+        .iter()
+        .filter(|(_, e)| e.view.state.is_final())
+        .min_by_key(|(_, e)| e.view.submitted_ms)
+        .map(|(id, _)| id.clone())
+    {
+        map.remove(&id);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request() -> JobRequest {
+        JobRequest {
+            module: "t.wasm".into(),
+            inputs: vec![],
+            output_dir: "/tmp/out".into(),
+            output_per_job: false,
+            args: vec![],
+            env: vec![],
+            gpus: 0,
+            gpu_model: None,
+            cpus: 1,
+            mem_bytes: 0,
+            timeout_ms: 1000,
+            max_price: None,
+            peer: None,
+            retries: 0,
+            fuel: None,
+        }
+    }
+
+    #[tokio::test]
+    async fn followers_see_events_in_order_and_the_end() {
+        let table = JobTable::default();
+        let (id, cancel) = table.insert(&request());
+        let t = table.clone();
+        let idc = id.clone();
+        let follower = tokio::spawn(async move {
+            let mut from = 0;
+            let mut seen = Vec::new();
+            loop {
+                let page = t
+                    .events(&idc[..6], from, Duration::from_secs(5))
+                    .await
+                    .unwrap();
+                seen.extend(page.events);
+                from = page.next;
+                if page.done {
+                    return seen;
+                }
+            }
+        });
+        table.push(
+            &id,
+            JobEvent::Stdout {
+                data: b"a".to_vec(),
+            },
+        );
+        table.push(
+            &id,
+            JobEvent::Stdout {
+                data: b"b".to_vec(),
+            },
+        );
+        assert_eq!(table.cancel(&id), Ok(id.clone()));
+        assert!(*cancel.borrow());
+        table.push(
+            &id,
+            JobEvent::Failed {
+                error: "cancelled".into(),
+            },
+        );
+        let seen = follower.await.unwrap();
+        assert_eq!(seen.len(), 3);
+        assert_eq!(table.get(&id).unwrap().state, JobState::Cancelled);
+        assert!(
+            table.cancel(&id).is_err(),
+            "a finished job cannot be cancelled"
+        );
+        assert!(table.get("zz").is_err());
+    }
+
+    #[test]
+    fn log_is_bounded_and_progress_coalesces() {
+        let table = JobTable::default();
+        let (id, _) = table.insert(&request());
+        for _ in 0..20 {
+            table.push(
+                &id,
+                JobEvent::Stdout {
+                    data: vec![b'x'; 1 << 20],
+                },
+            );
+        }
+        for done in [1, 2, 3] {
+            table.push(
+                &id,
+                JobEvent::Progress {
+                    direction: "upload".into(),
+                    name: "f".into(),
+                    done,
+                    total: 3,
+                },
+            );
+        }
+        let map = table.lock();
+        let e = &map[&id];
+        assert!(e.log_bytes <= MAX_LOG_BYTES);
+        assert_eq!(e.view.log_bytes_dropped, 12 << 20);
+        assert_eq!(e.offset + e.events.len(), 23);
+        assert_eq!(
+            e.events
+                .iter()
+                .filter(|ev| matches!(ev, JobEvent::Progress { .. }))
+                .count(),
+            1
+        );
+    }
+}

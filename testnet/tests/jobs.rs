@@ -1,0 +1,403 @@
+//! Jobs on real nodes on 127.0.0.1: a task runs on a remote peer and its output comes
+//! back byte for byte; the same module and input are not sent twice; a provider that
+//! dies mid-task is replaced; a lease that ends stops its job; bad modules cost no
+//! lease; hostile job requests are refused and the provider keeps serving.
+
+use std::time::Duration;
+
+use futures::{AsyncReadExt, AsyncWriteExt};
+use gpunode_node::jobs::JobEvent;
+use gpunode_node::{LeaseSpec, NodeConfig};
+use gpunode_protocol::encoding;
+use gpunode_protocol::job::{
+    BlobRef, JobFile, JobOutcome, JobRefusal, JobSubmit, ProviderMsg, RequesterMsg, JOB_VERSION,
+};
+use gpunode_protocol::lease::LeaseId;
+use testnet::jobs::{outcome, request, run_to_end, stdout_of, task, until_end, until_started};
+use testnet::{TestNet, TestNetConfig};
+
+const LONG: Duration = Duration::from_secs(60);
+
+fn cheap_first(i: usize, c: &mut NodeConfig) {
+    c.price_per_gpu_hour = if i == 0 { 0.5 } else { 2.0 };
+    c.max_job_bytes = 64 << 20;
+}
+
+async fn network(providers: usize) -> TestNet {
+    let mut config = TestNetConfig::new(vec![None; providers]);
+    config.tweak = Some(cheap_first);
+    TestNet::start(config).await.expect("start")
+}
+
+/// A client that already sees every provider's offer.
+async fn client_of(net: &TestNet) -> testnet::TestNode {
+    let client = net.client().await.expect("client");
+    let n = net.nodes.len();
+    TestNet::wait_for_offers(
+        &client.handle,
+        &gpunode_protocol::advert::OfferFilter::default(),
+        LONG,
+        |o| o.len() == n,
+    )
+    .await
+    .expect("offers visible");
+    client
+}
+
+fn pseudo_random(len: usize) -> Vec<u8> {
+    let mut x = 0x9e3779b97f4a7c15u64;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn outputs_come_back_byte_for_byte_and_nothing_is_sent_twice() {
+    let net = network(2).await;
+    let client = client_of(&net).await;
+    let dir = tempfile::tempdir().unwrap();
+    let data = pseudo_random(3 * 1024 * 1024 + 12345);
+    std::fs::write(dir.path().join("data.bin"), &data).unwrap();
+    let mut req = request(task("copy.wat"), &dir.path().join("out1"));
+    req.inputs = vec![dir.path().join("data.bin")];
+
+    let (events, end) = run_to_end(&client.handle, req.clone(), LONG).await.unwrap();
+    let summary = end.expect("job finished");
+    assert_eq!(summary.outcome, JobOutcome::Exited(0));
+    assert_eq!(summary.exit_code, 0);
+    assert_eq!(stdout_of(&events), b"copied\n");
+    assert_eq!(summary.outputs, vec!["copy.bin".to_string()]);
+    assert_eq!(
+        std::fs::read(dir.path().join("out1/copy.bin")).unwrap(),
+        data
+    );
+    let provider = net
+        .nodes
+        .iter()
+        .find(|n| n.handle.peer_id().to_string() == summary.provider)
+        .expect("the provider is one of ours");
+    let received = provider.handle.metrics().job_bytes_received.get();
+    assert!(received >= data.len() as u64, "received {received}");
+    assert!(!summary.module_cached);
+
+    // Same module, same input, same provider: nothing crosses the network again and
+    // the compiled module comes from the cache.
+    req.output_dir = dir.path().join("out2");
+    req.peer = Some(summary.provider.clone());
+    let (_, end) = run_to_end(&client.handle, req, LONG).await.unwrap();
+    let again = end.expect("second run finished");
+    assert_eq!(
+        std::fs::read(dir.path().join("out2/copy.bin")).unwrap(),
+        data
+    );
+    assert_eq!(provider.handle.metrics().job_bytes_received.get(), received);
+    assert!(provider.handle.metrics().job_bytes_cached.get() >= data.len() as u64);
+    assert!(again.module_cached);
+    // Each finished job gave its lease back.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let leases = provider.handle.list_leases().await.unwrap();
+    assert!(leases
+        .iter()
+        .all(|l| l.state != gpunode_node::lease::LeaseState::Active));
+    net.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_provider_that_dies_mid_task_is_replaced() {
+    let mut net = network(3).await;
+    let client = client_of(&net).await;
+    let dir = tempfile::tempdir().unwrap();
+    let view = client
+        .handle
+        .submit_job(request(task("spin.wat"), dir.path()));
+    let mut from = 0;
+    let first = until_started(&client.handle, &view.job_id, &mut from)
+        .await
+        .unwrap();
+    let Some(JobEvent::Started { provider }) = first.last() else {
+        panic!("job never started: {first:?}");
+    };
+    let victim = net
+        .nodes
+        .iter_mut()
+        .find(|n| n.handle.peer_id().to_string() == *provider)
+        .expect("provider is ours");
+    victim.crash();
+    let rest = until_end(&client.handle, &view.job_id, &mut from)
+        .await
+        .unwrap();
+    let summary = outcome(&rest).expect("ended").expect("finished elsewhere");
+    assert_ne!(&summary.provider, provider);
+    assert_eq!(summary.attempts, 2);
+    assert_eq!(summary.outcome, JobOutcome::Exited(7));
+    assert!(rest
+        .iter()
+        .any(|e| matches!(e, JobEvent::Retrying { provider: p, .. } if p == provider)));
+    let all: Vec<JobEvent> = first.into_iter().chain(rest).collect();
+    assert_eq!(stdout_of(&all), b"started\nstarted\ndone\n");
+    net.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_job_stops_when_its_lease_ends() {
+    let net = network(1).await;
+    let client = client_of(&net).await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut req = request(task("spin.wat"), dir.path());
+    req.args = vec!["forever".into()];
+    let view = client.handle.submit_job(req);
+    let mut from = 0;
+    until_started(&client.handle, &view.job_id, &mut from)
+        .await
+        .unwrap();
+    let provider = &net.nodes[0];
+    assert_eq!(provider.handle.metrics().jobs_running.get(), 1);
+    let lease = client
+        .handle
+        .get_job(&view.job_id)
+        .unwrap()
+        .lease_id
+        .unwrap();
+    // The provider ends the lease: the job is killed and reported as cancelled.
+    provider.handle.cancel_lease(&lease).await.unwrap();
+    let rest = until_end(&client.handle, &view.job_id, &mut from)
+        .await
+        .unwrap();
+    let summary = outcome(&rest).expect("ended").expect("reported");
+    assert_eq!(summary.outcome, JobOutcome::Cancelled);
+    assert_eq!(summary.exit_code, 130);
+    assert_eq!(provider.handle.metrics().jobs_running.get(), 0);
+    let jobs_dir = provider.data_dir().jobs_dir();
+    let left = std::fs::read_dir(&jobs_dir).map(|d| d.count()).unwrap_or(0);
+    assert_eq!(left, 0, "job directory cleaned up");
+
+    // A user's cancel works the same way.
+    let mut req = request(task("spin.wat"), dir.path());
+    req.args = vec!["forever".into()];
+    let view = client.handle.submit_job(req);
+    let mut from = 0;
+    until_started(&client.handle, &view.job_id, &mut from)
+        .await
+        .unwrap();
+    client.handle.cancel_job(&view.job_id[..6]).unwrap();
+    let rest = until_end(&client.handle, &view.job_id, &mut from)
+        .await
+        .unwrap();
+    assert_eq!(
+        outcome(&rest).expect("ended").expect("reported").outcome,
+        JobOutcome::Cancelled
+    );
+    assert_eq!(
+        client.handle.get_job(&view.job_id).unwrap().state,
+        gpunode_node::jobs::JobState::Cancelled
+    );
+    net.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_invalid_module_costs_no_lease() {
+    let net = network(1).await;
+    let client = client_of(&net).await;
+    let dir = tempfile::tempdir().unwrap();
+    let cases: [(&str, &[u8], &str); 3] = [
+        ("garbage.wasm", b"\0asm garbage", "not a runnable task"),
+        (
+            "imports.wat",
+            b"(module (import \"env\" \"launch_missiles\" (func)) (func (export \"_start\")))",
+            "env::launch_missiles",
+        ),
+        ("nostart.wat", b"(module (memory 1))", "_start"),
+    ];
+    for (name, bytes, expect) in cases {
+        let path = dir.path().join(name);
+        std::fs::write(&path, bytes).unwrap();
+        let (_, end) = run_to_end(&client.handle, request(path, dir.path()), LONG)
+            .await
+            .unwrap();
+        let err = end.expect_err("must fail");
+        assert!(err.contains(expect), "{name}: {err}");
+    }
+    let missing = dir.path().join("absent.wasm");
+    let (_, end) = run_to_end(&client.handle, request(missing, dir.path()), LONG)
+        .await
+        .unwrap();
+    assert!(end.unwrap_err().contains("cannot read task file"));
+    assert!(client.handle.list_leases().await.unwrap().is_empty());
+    net.shutdown().await;
+}
+
+/// Sends one raw job request and returns the provider's first answer.
+async fn raw_submit(
+    from: &gpunode_node::NodeHandle,
+    to: libp2p::PeerId,
+    bytes: Vec<u8>,
+) -> Option<ProviderMsg> {
+    let stream = from.open_job_stream(to).await.expect("stream");
+    let (mut r, mut w) = stream.split();
+    w.write_all(&bytes).await.ok()?;
+    w.flush().await.ok()?;
+    let mut header = [0u8; 5];
+    r.read_exact(&mut header).await.ok()?;
+    let len = u32::from_le_bytes(header[1..].try_into().ok()?) as usize;
+    let mut body = vec![0; len];
+    r.read_exact(&mut body).await.ok()?;
+    encoding::decode(&body, 1 << 20).ok()
+}
+
+fn frame(msg: &RequesterMsg) -> Vec<u8> {
+    let body = encoding::encode(msg);
+    let mut out = vec![0u8];
+    out.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    out.extend_from_slice(&body);
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_job_requests_are_refused_and_the_provider_keeps_serving() {
+    let net = network(1).await;
+    let alice = client_of(&net).await;
+    let mallory = client_of(&net).await;
+    let provider = net.nodes[0].handle.peer_id();
+    let lease = alice
+        .handle
+        .request_lease(LeaseSpec {
+            peer: Some(provider.to_string()),
+            gpus: 0,
+            gpu_model: None,
+            min_gpu_mem_bytes: None,
+            cpus: 1,
+            mem_bytes: 1 << 20,
+            backend: "wasm".into(),
+            duration_ms: 600_000,
+            max_price: None,
+            exclude: Vec::new(),
+        })
+        .await
+        .expect("lease");
+    let lease_id: LeaseId = lease.lease_id.parse().unwrap();
+    let blob = BlobRef {
+        hash: [1; 32],
+        size: 10,
+    };
+    let submit = |lease_id, inputs: Vec<JobFile>| {
+        RequesterMsg::Submit(JobSubmit {
+            version: JOB_VERSION,
+            lease_id,
+            module: blob,
+            inputs,
+            args: vec![],
+            env: vec![],
+            timeout_ms: 1000,
+            fuel: None,
+        })
+    };
+    let file = |path: &str, size| JobFile {
+        path: path.into(),
+        blob: BlobRef {
+            hash: [2; 32],
+            size,
+        },
+    };
+    let cases: Vec<(&str, &gpunode_node::NodeHandle, Vec<u8>, JobRefusal)> = vec![
+        (
+            "unknown lease",
+            &alice.handle,
+            frame(&submit(LeaseId([9; 16]), vec![])),
+            JobRefusal::UnknownLease,
+        ),
+        (
+            "someone else's lease",
+            &mallory.handle,
+            frame(&submit(lease_id, vec![])),
+            JobRefusal::NotYourLease,
+        ),
+        (
+            "path escape",
+            &alice.handle,
+            frame(&submit(lease_id, vec![file("../../etc/passwd", 1)])),
+            JobRefusal::BadRequest,
+        ),
+        (
+            "absolute path",
+            &alice.handle,
+            frame(&submit(lease_id, vec![file("/etc/passwd", 1)])),
+            JobRefusal::BadRequest,
+        ),
+        (
+            "too large",
+            &alice.handle,
+            frame(&submit(lease_id, vec![file("big", 1 << 40)])),
+            JobRefusal::TooLarge,
+        ),
+        (
+            "garbage",
+            &mallory.handle,
+            vec![0, 4, 0, 0, 0, 0xff, 0xff, 0xff, 0xff],
+            JobRefusal::BadRequest,
+        ),
+        (
+            "truncated",
+            &mallory.handle,
+            frame(&submit(lease_id, vec![]))[..20].to_vec(),
+            JobRefusal::BadRequest,
+        ),
+    ];
+    for (name, from, bytes, code) in cases {
+        // Truncated input only shows once the writer closes; the others answer at once.
+        let answer = if name == "truncated" {
+            let stream = from.open_job_stream(provider).await.unwrap();
+            let (mut r, mut w) = stream.split();
+            w.write_all(&bytes).await.unwrap();
+            w.close().await.unwrap();
+            let mut buf = Vec::new();
+            let _ = r.read_to_end(&mut buf).await;
+            encoding::decode::<ProviderMsg>(&buf[5..], 1 << 20).ok()
+        } else {
+            raw_submit(from, provider, bytes).await
+        };
+        match answer {
+            Some(ProviderMsg::Rejected(r)) => {
+                assert_eq!(r.code, code, "{name}: {}", r.message);
+                assert!(!r.message.is_empty());
+            }
+            other => panic!("{name}: expected a refusal, got {other:?}"),
+        }
+    }
+    let metrics = net.nodes[0].handle.metrics();
+    assert_eq!(metrics.job_rejected_count("bad_request"), 4);
+    assert_eq!(metrics.job_rejected_count("unknown_lease"), 1);
+    assert_eq!(metrics.job_rejected_count("not_your_lease"), 1);
+    assert_eq!(metrics.job_rejected_count("too_large"), 1);
+
+    // A blob that does not match its hash is refused and not cached.
+    let data = b"0123456789".to_vec();
+    let msg = submit(lease_id, vec![]);
+    let stream = alice.handle.open_job_stream(provider).await.unwrap();
+    let (mut r, mut w) = stream.split();
+    w.write_all(&frame(&msg)).await.unwrap();
+    let mut chunk = vec![1u8];
+    chunk.extend_from_slice(&(data.len() as u32).to_le_bytes());
+    chunk.extend_from_slice(&data);
+    w.write_all(&chunk).await.unwrap();
+    w.flush().await.unwrap();
+    let mut buf = Vec::new();
+    let _ = r.read_to_end(&mut buf).await;
+    assert!(
+        String::from_utf8_lossy(&buf).contains("does not match its hash"),
+        "corrupt blob must be named"
+    );
+    assert_eq!(metrics.job_rejected_count("corrupt"), 1);
+
+    // Still serving: a real job runs.
+    let dir = tempfile::tempdir().unwrap();
+    let (_, end) = run_to_end(&alice.handle, request(task("spin.wat"), dir.path()), LONG)
+        .await
+        .unwrap();
+    assert_eq!(end.expect("ran").outcome, JobOutcome::Exited(7));
+    net.shutdown().await;
+}
