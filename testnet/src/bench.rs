@@ -61,7 +61,8 @@ pub fn rss_bytes() -> u64 {
         .unwrap_or(0)
 }
 
-fn percentile(sorted: &[f64], p: f64) -> f64 {
+/// The `p` quantile (0..=1) of sorted values.
+pub fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {
         return f64::NAN;
     }

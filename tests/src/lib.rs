@@ -31,6 +31,47 @@ pub fn gpunode_bin() -> PathBuf {
     .clone()
 }
 
+/// Path of the example task `examples/checksum` built for wasm32-wasip1 (release),
+/// built if out of date. Needs the target (`scripts/install-deps.sh` adds it).
+pub fn example_checksum_wasm() -> PathBuf {
+    static WASM: OnceLock<PathBuf> = OnceLock::new();
+    WASM.get_or_init(|| {
+        let exe = std::env::current_exe().expect("test exe path");
+        let target_dir = exe
+            .parent()
+            .and_then(|p| p.parent())
+            .and_then(|p| p.parent())
+            .expect("target dir")
+            .to_path_buf();
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let status = Command::new(cargo)
+            .args([
+                "build",
+                "-p",
+                "gpunode-example-checksum",
+                "--release",
+                "--target",
+                "wasm32-wasip1",
+            ])
+            .status()
+            .expect("run cargo build");
+        assert!(
+            status.success(),
+            "building the example task failed (is the wasm32-wasip1 target installed? run scripts/install-deps.sh)"
+        );
+        target_dir.join("wasm32-wasip1/release/checksum.wasm")
+    })
+    .clone()
+}
+
+/// Path of a file in the workspace, from its root.
+pub fn workspace_file(rel: &str) -> PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("workspace root")
+        .join(rel)
+}
+
 /// Runs `gpunode --data-dir DIR ARGS...` to completion.
 pub fn gpunode(data_dir: &std::path::Path, args: &[&str]) -> Output {
     Command::new(gpunode_bin())

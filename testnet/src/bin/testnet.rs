@@ -66,6 +66,30 @@ enum Bench {
         #[arg(long, default_value_t = 10)]
         seconds: u64,
     },
+    /// Whole `gpunode run` of a trivial task on a warm 3-node network, CLI included.
+    Dispatch {
+        /// Runs to time (each way: provider lookup, and --peer).
+        #[arg(long, default_value_t = 50)]
+        runs: usize,
+    },
+    /// Throughput of a job input between two nodes over QUIC and TCP, next to iperf3.
+    Transfer {
+        /// Input size, e.g. 1G.
+        #[arg(long, default_value = "1G")]
+        size: String,
+        /// Runs per transport.
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+    },
+    /// A compute kernel natively and as a wasm task; start time of a cached module.
+    SandboxOverhead {
+        /// Matrix size of the kernel.
+        #[arg(long, default_value_t = 300)]
+        n: usize,
+        /// Runs of each.
+        #[arg(long, default_value_t = 5)]
+        runs: usize,
+    },
 }
 
 fn gpunode_binary() -> Result<PathBuf> {
@@ -155,6 +179,35 @@ fn main() -> Result<()> {
                 .enable_all()
                 .build()?;
             let report = rt.block_on(testnet::bench::lease(round_trips, requesters, seconds))?;
+            println!("{}", serde_json::to_string(&report)?);
+            Ok(())
+        }
+        Cmd::Bench {
+            which: Bench::Dispatch { runs },
+        } => {
+            for report in testnet::bench_jobs::dispatch(&gpunode_binary()?, runs)? {
+                println!("{}", serde_json::to_string(&report)?);
+            }
+            Ok(())
+        }
+        Cmd::Bench {
+            which: Bench::Transfer { size, runs },
+        } => {
+            let bytes = gpunode_protocol::units::parse_bytes(&size)
+                .map_err(|e| anyhow::anyhow!("invalid --size: {e}"))?;
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()?;
+            for report in rt.block_on(testnet::bench_jobs::transfer(bytes, runs))? {
+                println!("{}", serde_json::to_string(&report)?);
+            }
+            Ok(())
+        }
+        Cmd::Bench {
+            which: Bench::SandboxOverhead { n, runs },
+        } => {
+            let (native, wasm) = testnet::bench_jobs::build_kernel()?;
+            let report = testnet::bench_jobs::sandbox_overhead(&native, &wasm, n, runs)?;
             println!("{}", serde_json::to_string(&report)?);
             Ok(())
         }

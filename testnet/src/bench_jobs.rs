@@ -1,0 +1,394 @@
+//! Job benchmarks: `dispatch` (a whole `gpunode run` of a trivial task, CLI process
+//! included, on a warm 3-node loopback network), `transfer` (a 1 GiB input between two
+//! nodes over QUIC and over TCP, next to iperf3 in the same run) and `sandbox-overhead`
+//! (one compute kernel natively and as a wasm task; start time of a cached module).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use gpunode_node::jobs::JobEvent;
+use serde::Serialize;
+
+use crate::bench::percentile;
+use crate::jobs::{request, task, until_end};
+use crate::process::{ServeProcess, SIGINT};
+use crate::{TestNet, TestNetConfig, Transport};
+
+/// Result of `dispatch`.
+#[derive(Debug, Clone, Serialize)]
+pub struct DispatchReport {
+    /// Runs timed.
+    pub runs: usize,
+    /// `--peer` given (no provider lookup) or not.
+    pub named_peer: bool,
+    /// Median wall time of the `gpunode run` process, ms.
+    pub median_ms: f64,
+    /// 95th percentile, ms.
+    pub p95_ms: f64,
+}
+
+/// Runs `gpunode run hello.wat` through a daemon on a warm network of three
+/// `gpunode serve` processes, timing the whole CLI process each time.
+pub fn dispatch(binary: &Path, runs: usize) -> Result<Vec<DispatchReport>> {
+    let tmp = tempfile::Builder::new()
+        .prefix("bench-dispatch")
+        .tempdir()?;
+    let mut procs: Vec<ServeProcess> = Vec::new();
+    for i in 0..3 {
+        // The requester (node 0) asks more than the others, so it never picks itself
+        // even if it could.
+        let mut extra = vec!["--price".to_string(), if i == 0 { "9" } else { "1" }.into()];
+        if let Some(first) = procs.first() {
+            extra.push("--bootstrap".into());
+            extra.push(first.addr.clone());
+        }
+        procs.push(ServeProcess::start(
+            binary,
+            &tmp.path().join(format!("n{i}")),
+            &extra,
+        )?);
+    }
+    let hello = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/wat/hello.wat");
+    let out = tmp.path().join("out");
+    let requester = procs[0].data_dir.clone();
+    let run = |peer: Option<&str>| -> Result<f64> {
+        let mut cmd = Command::new(binary);
+        cmd.arg("--data-dir")
+            .arg(&requester)
+            .arg("run")
+            .arg(&hello)
+            .arg("--quiet")
+            .arg("--output")
+            .arg(&out);
+        if let Some(p) = peer {
+            cmd.args(["--peer", p]);
+        }
+        let t = Instant::now();
+        let o = cmd.output()?;
+        let ms = t.elapsed().as_secs_f64() * 1000.0;
+        if !o.status.success() {
+            bail!("gpunode run failed: {}", String::from_utf8_lossy(&o.stderr));
+        }
+        Ok(ms)
+    };
+    // Until both providers are visible and every path is warm.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while run(None).is_err() {
+        if Instant::now() > deadline {
+            bail!("no provider took the task within 30s");
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    for _ in 0..10 {
+        run(None)?;
+    }
+    let mut reports = Vec::new();
+    for peer in [None, Some(procs[1].peer_id.clone())] {
+        let mut times = Vec::with_capacity(runs);
+        for _ in 0..runs {
+            times.push(run(peer.as_deref())?);
+        }
+        times.sort_by(f64::total_cmp);
+        reports.push(DispatchReport {
+            runs,
+            named_peer: peer.is_some(),
+            median_ms: percentile(&times, 0.5),
+            p95_ms: percentile(&times, 0.95),
+        });
+    }
+    for p in &mut procs {
+        let _ = p.stop(SIGINT, Duration::from_secs(10));
+    }
+    Ok(reports)
+}
+
+/// Result of `transfer`.
+#[derive(Debug, Clone, Serialize)]
+pub struct TransferReport {
+    /// `quic` or `tcp`.
+    pub transport: String,
+    /// Bytes per run.
+    pub bytes: u64,
+    /// Median upload throughput of a job input (stream, chunks, blake3 check, disk), MB/s.
+    pub median_mb_s: f64,
+    /// Each run, MB/s.
+    pub runs_mb_s: Vec<f64>,
+    /// iperf3 on the same loopback in the same run (UDP for QUIC, TCP for TCP), MB/s.
+    pub iperf3_mb_s: Option<f64>,
+    /// Our median over iperf3's figure.
+    pub ratio: Option<f64>,
+}
+
+/// Sends a fresh `bytes` input to a provider `runs` times per transport, timing from
+/// the lease to the task's start (upload, hash check and staging of the input).
+pub async fn transfer(bytes: u64, runs: usize) -> Result<Vec<TransferReport>> {
+    let mut reports = Vec::new();
+    for transport in [Transport::Quic, Transport::Tcp] {
+        fn roomy(_: usize, c: &mut gpunode_node::NodeConfig) {
+            c.max_job_bytes = 8 << 30;
+            c.blob_cache = 16 << 30;
+        }
+        let mut config = TestNetConfig::new(vec![None]);
+        config.transport = transport;
+        config.tweak = Some(roomy);
+        let net = TestNet::start(config).await?;
+        let client = net.client().await?;
+        let dir = tempfile::Builder::new()
+            .prefix("bench-transfer")
+            .tempdir()?;
+        let input = dir.path().join("input.bin");
+        write_pattern(&input, bytes)?;
+        let mut speeds = Vec::new();
+        for run in 0..runs {
+            // A new first block each run: a new hash, so nothing comes from the cache.
+            stamp(&input, run as u64)?;
+            let mut req = request(task("spin.wat"), &dir.path().join("out"));
+            req.peer = Some(net.nodes[0].handle.peer_id().to_string());
+            req.inputs = vec![input.clone()];
+            req.timeout_ms = 600_000;
+            req.args = vec!["forever".into()];
+            let view = client.handle.submit_job(req);
+            let mut from = 0;
+            let (mut leased, mut started) = (None, None);
+            let deadline = Instant::now() + Duration::from_secs(600);
+            while started.is_none() && Instant::now() < deadline {
+                let page = client
+                    .handle
+                    .job_events(&view.job_id, from, Duration::from_millis(50))
+                    .await
+                    .map_err(anyhow::Error::msg)?;
+                from = page.next;
+                for e in page.events {
+                    match e {
+                        JobEvent::Leased { .. } => leased = Some(Instant::now()),
+                        JobEvent::Started { .. } => started = Some(Instant::now()),
+                        JobEvent::Failed { error } => bail!("transfer job failed: {error}"),
+                        _ => {}
+                    }
+                }
+            }
+            let (Some(l), Some(s)) = (leased, started) else {
+                bail!("the transfer job did not start");
+            };
+            speeds.push(bytes as f64 / (s - l).as_secs_f64() / 1e6);
+            client
+                .handle
+                .cancel_job(&view.job_id)
+                .map_err(anyhow::Error::msg)?;
+            until_end(&client.handle, &view.job_id, &mut from).await?;
+        }
+        let mut sorted = speeds.clone();
+        sorted.sort_by(f64::total_cmp);
+        let median = percentile(&sorted, 0.5);
+        let iperf = iperf3(transport, bytes).ok();
+        reports.push(TransferReport {
+            transport: match transport {
+                Transport::Quic => "quic".into(),
+                Transport::Tcp => "tcp".into(),
+            },
+            bytes,
+            median_mb_s: median,
+            runs_mb_s: speeds,
+            iperf3_mb_s: iperf,
+            ratio: iperf.map(|i| median / i),
+        });
+        net.shutdown().await;
+    }
+    Ok(reports)
+}
+
+fn write_pattern(path: &Path, bytes: u64) -> Result<()> {
+    use std::io::Write;
+    let mut f = std::io::BufWriter::new(std::fs::File::create(path)?);
+    let block: Vec<u8> = (0..1 << 20)
+        .map(|i: u32| (i.wrapping_mul(2654435761) >> 13) as u8)
+        .collect();
+    let mut left = bytes;
+    while left > 0 {
+        let n = left.min(block.len() as u64) as usize;
+        f.write_all(&block[..n])?;
+        left -= n as u64;
+    }
+    f.flush()?;
+    Ok(())
+}
+
+fn stamp(path: &Path, n: u64) -> Result<()> {
+    use std::io::{Seek, Write};
+    let mut f = std::fs::OpenOptions::new().write(true).open(path)?;
+    f.seek(std::io::SeekFrom::Start(0))?;
+    f.write_all(&n.to_le_bytes())?;
+    Ok(())
+}
+
+/// iperf3's received throughput on loopback, MB/s: TCP, or UDP with 1400-byte writes
+/// at unlimited rate (what the QUIC path is compared with).
+fn iperf3(transport: Transport, bytes: u64) -> Result<f64> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
+    let mut server = Command::new("iperf3")
+        .args(["-s", "-1", "-B", "127.0.0.1", "-p", &port.to_string()])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .context("iperf3 not installed (scripts/install-deps.sh installs it)")?;
+    std::thread::sleep(Duration::from_millis(300));
+    let mut client = Command::new("iperf3");
+    client.args([
+        "-c",
+        "127.0.0.1",
+        "-p",
+        &port.to_string(),
+        "-J",
+        "-n",
+        &bytes.to_string(),
+    ]);
+    if transport == Transport::Quic {
+        client.args(["-u", "-b", "0", "-l", "1400"]);
+    }
+    let out = client.output();
+    let _ = server.kill();
+    let _ = server.wait();
+    let json: serde_json::Value = serde_json::from_slice(&out?.stdout)?;
+    let end = &json["end"];
+    let mb_s = if transport == Transport::Quic {
+        let sum = &end["sum"];
+        let lost = sum["lost_percent"].as_f64().unwrap_or(0.0);
+        sum["bits_per_second"].as_f64().context("no UDP figure")? / 8e6 * (1.0 - lost / 100.0)
+    } else {
+        end["sum_received"]["bits_per_second"]
+            .as_f64()
+            .context("no TCP figure")?
+            / 8e6
+    };
+    Ok(mb_s)
+}
+
+/// Result of `sandbox-overhead`.
+#[derive(Debug, Clone, Serialize)]
+pub struct SandboxReport {
+    /// Matrix size of the kernel.
+    pub n: usize,
+    /// Median native time, ms.
+    pub native_ms: f64,
+    /// Median time as a wasm task (epoch interruption on, as jobs run), ms.
+    pub wasm_ms: f64,
+    /// wasm over native.
+    pub ratio: f64,
+    /// Median time from a cached module to the end of a trivial task, ms (module in memory).
+    pub cached_start_ms: f64,
+    /// The same with the compiled module loaded from disk (a restarted node), ms.
+    pub disk_cached_start_ms: f64,
+    /// First compilation of the kernel's module, ms.
+    pub compile_ms: f64,
+}
+
+/// Times `checksum matmul N` natively and in the sandbox, and the start of a cached task.
+pub fn sandbox_overhead(
+    native: &Path,
+    wasm: &Path,
+    n: usize,
+    runs: usize,
+) -> Result<SandboxReport> {
+    use gpunode_sandbox::wasm::{CancelToken, Limits, RunSpec, WasmExecutor};
+    let arg = n.to_string();
+    let mut native_times = Vec::new();
+    let mut expected = String::new();
+    for _ in 0..runs {
+        let t = Instant::now();
+        let out = Command::new(native).args(["matmul", &arg]).output()?;
+        native_times.push(t.elapsed().as_secs_f64() * 1000.0);
+        expected = String::from_utf8_lossy(&out.stdout).into_owned();
+    }
+    let cache = tempfile::tempdir()?;
+    let exec = WasmExecutor::new(cache.path())?;
+    let bytes = std::fs::read(wasm).with_context(|| format!("read {}", wasm.display()))?;
+    let t = Instant::now();
+    let task = exec.compile(&bytes, false)?;
+    let compile_ms = t.elapsed().as_secs_f64() * 1000.0;
+    let work = tempfile::tempdir()?;
+    let spec = |args: Vec<String>, out: std::sync::Arc<std::sync::Mutex<Vec<u8>>>| RunSpec {
+        args,
+        env: Vec::new(),
+        input_dir: None,
+        output_dir: work.path().join("out"),
+        limits: Limits::default(),
+        stdout: Box::new(move |b: &[u8]| {
+            out.lock().map(|mut o| o.extend_from_slice(b)).unwrap_or(())
+        }),
+        stderr: Box::new(|_| {}),
+        cancel: CancelToken::new(),
+    };
+    let mut wasm_times = Vec::new();
+    for _ in 0..runs {
+        let out = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let t = Instant::now();
+        exec.run(&task, spec(vec!["matmul".into(), arg.clone()], out.clone()))?;
+        wasm_times.push(t.elapsed().as_secs_f64() * 1000.0);
+        let got = String::from_utf8_lossy(&out.lock().map(|o| o.clone()).unwrap_or_default())
+            .into_owned();
+        if got != expected {
+            bail!("wasm and native disagree: {got:?} vs {expected:?}");
+        }
+    }
+    // Start of a trivial task whose module is cached: compile() hit plus the whole run.
+    let hello =
+        std::fs::read(Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/wat/hello.wat"))?;
+    exec.compile(&hello, false)?;
+    let mut start_times = Vec::new();
+    for _ in 0..runs.max(20) {
+        let t = Instant::now();
+        let task = exec.compile(&hello, false)?;
+        exec.run(&task, spec(Vec::new(), Default::default()))?;
+        start_times.push(t.elapsed().as_secs_f64() * 1000.0);
+    }
+    let mut disk_times = Vec::new();
+    for _ in 0..5 {
+        let fresh = WasmExecutor::new(cache.path())?;
+        let t = Instant::now();
+        let task = fresh.compile(&hello, false)?;
+        fresh.run(&task, spec(Vec::new(), Default::default()))?;
+        disk_times.push(t.elapsed().as_secs_f64() * 1000.0);
+    }
+    for v in [
+        &mut native_times,
+        &mut wasm_times,
+        &mut start_times,
+        &mut disk_times,
+    ] {
+        v.sort_by(f64::total_cmp);
+    }
+    let (native_ms, wasm_ms) = (percentile(&native_times, 0.5), percentile(&wasm_times, 0.5));
+    Ok(SandboxReport {
+        n,
+        native_ms,
+        wasm_ms,
+        ratio: wasm_ms / native_ms,
+        cached_start_ms: percentile(&start_times, 0.5),
+        disk_cached_start_ms: percentile(&disk_times, 0.5),
+        compile_ms,
+    })
+}
+
+/// The example kernel built natively and for wasm32-wasip1 (release), building both.
+pub fn build_kernel() -> Result<(PathBuf, PathBuf)> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    for target in [None, Some("wasm32-wasip1")] {
+        let mut cmd = Command::new(&cargo);
+        cmd.args(["build", "--release", "-p", "gpunode-example-checksum"]);
+        if let Some(t) = target {
+            cmd.args(["--target", t]);
+        }
+        if !cmd.status()?.success() {
+            bail!("building examples/checksum failed (wasm32-wasip1 target installed?)");
+        }
+    }
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target");
+    Ok((
+        root.join("release/checksum"),
+        root.join("wasm32-wasip1/release/checksum.wasm"),
+    ))
+}
