@@ -121,9 +121,9 @@ fn apply_serve_args(config: &mut NodeConfig, args: &ServeArgs) -> Result<(), Con
 async fn serve(data_dir: DataDir, mut config: NodeConfig, args: ServeArgs) -> Result<ExitCode> {
     apply_serve_args(&mut config, &args)?;
     init_logging(&config.log);
-    let node = Node::start(NodeOptions::new(config, data_dir.clone(), Role::Provider))
-        .await
-        .context("cannot start the node")?;
+    let mut opts = NodeOptions::new(config, data_dir.clone(), Role::Provider);
+    opts.wasm_worker = wasm_worker();
+    let node = Node::start(opts).await.context("cannot start the node")?;
     let handle = node.handle();
     tracing::info!(
         "gpunode {} serving as {} (data dir {})",
@@ -140,6 +140,12 @@ async fn serve(data_dir: DataDir, mut config: NodeConfig, args: ServeArgs) -> Re
         tracing::warn!("shutdown took over 10s; exiting anyway");
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// This binary, which doubles as the sandbox worker; `None` (guests on threads) if
+/// its path cannot be found.
+fn wasm_worker() -> Option<std::path::PathBuf> {
+    std::env::current_exe().ok()
 }
 
 async fn wait_for_stop_signal() -> Result<()> {
@@ -248,6 +254,7 @@ impl ClientNode {
         }
         let mut opts = NodeOptions::new(config.clone(), data_dir, Role::Client);
         opts.serve_api = false;
+        opts.wasm_worker = wasm_worker();
         opts.inventory = Some(Arc::new(gpunode_node::inventory::NoGpus));
         let node = Node::start(opts)
             .await

@@ -328,12 +328,21 @@ fn summary_line(job_id: &str, s: &JobSummary) -> String {
         String::new()
     };
     format!(
-        "gpunode: job {job_id} {} on {} in {:.2}s{retries}, cost {:.4} credits{outputs}",
+        "gpunode: job {job_id} {} on {} in {:.2}s{retries}, cost {} credits{outputs}",
         outcome_words(&s.outcome),
         output::short_peer(&s.provider),
         s.wall_ms as f64 / 1000.0,
-        s.cost
+        format_credits(s.cost)
     )
+}
+
+/// Credits with enough digits to show small amounts (a second on one GPU).
+fn format_credits(c: f64) -> String {
+    if c == 0.0 || c >= 0.01 {
+        format!("{c:.2}")
+    } else {
+        format!("{c:.6}")
+    }
 }
 
 fn display_path(p: &Path) -> String {

@@ -280,6 +280,10 @@ struct StatusArgs {
 }
 
 fn main() -> ExitCode {
+    // A provider runs each wasm task in a child process of this same binary.
+    if std::env::args().nth(1).as_deref() == Some(gpunode_sandbox::wasm::worker::WORKER_ARG) {
+        std::process::exit(gpunode_sandbox::wasm::worker::worker_main());
+    }
     let cli = Cli::parse();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()

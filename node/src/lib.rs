@@ -61,6 +61,10 @@ pub struct NodeOptions {
     pub serve_api: bool,
     /// Keep the store in memory only (large in-process test networks).
     pub ephemeral_store: bool,
+    /// Run each wasm guest in a worker process started from this binary (which must
+    /// answer `gpunode_sandbox::wasm::worker::WORKER_ARG`); `None` runs guests on
+    /// threads of this process with epoch interruption.
+    pub wasm_worker: Option<std::path::PathBuf>,
 }
 
 impl NodeOptions {
@@ -73,6 +77,7 @@ impl NodeOptions {
             inventory: None,
             serve_api: role == Role::Provider,
             ephemeral_store: false,
+            wasm_worker: None,
         }
     }
 }
@@ -335,9 +340,16 @@ impl Node {
 
         let metrics = Metrics::new();
         let (commands_tx, commands_rx) = mpsc::channel(64);
+        let isolation = match &opts.wasm_worker {
+            Some(binary) => gpunode_sandbox::Isolation::Process(binary.clone()),
+            None => gpunode_sandbox::Isolation::Thread,
+        };
         let executor = Arc::new(
-            gpunode_sandbox::WasmExecutor::new(&opts.data_dir.module_cache_dir())
-                .map_err(|e| NodeError::Sandbox(e.to_string()))?,
+            gpunode_sandbox::WasmExecutor::with_isolation(
+                &opts.data_dir.module_cache_dir(),
+                isolation,
+            )
+            .map_err(|e| NodeError::Sandbox(e.to_string()))?,
         );
         let mut control = swarm.behaviour().stream.new_control();
         let handle = NodeHandle {

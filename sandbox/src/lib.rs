@@ -1,7 +1,8 @@
 //! Task executors: where a leased task actually runs.
 //!
 //! [`wasm::WasmExecutor`] runs WASI preview 1 modules (`.wasm` or `.wat`) in wasmtime with
-//! every limit a provider promises: wall-clock deadline (epoch interruption), optional
+//! every limit a provider promises, in a thread or in a worker process
+//! ([`wasm::Isolation`]): wall-clock deadline, optional
 //! fuel, linear memory and table limits, stdout/stderr caps, output-directory size and
 //! file-count caps, no network, and a filesystem of exactly `/input` (read-only) and
 //! `/output` (writable). Each run ends in one distinct [`wasm::Outcome`].
@@ -11,4 +12,6 @@
 
 pub mod wasm;
 
-pub use wasm::{CancelToken, CompiledTask, Limits, Outcome, RunSpec, SandboxError, WasmExecutor};
+pub use wasm::{
+    CancelToken, CompiledTask, Isolation, Limits, Outcome, RunSpec, SandboxError, WasmExecutor,
+};

@@ -272,28 +272,34 @@ fn iperf3(transport: Transport, bytes: u64) -> Result<f64> {
 pub struct SandboxReport {
     /// Matrix size of the kernel.
     pub n: usize,
-    /// Median native time, ms.
+    /// Median native time (process start included), ms.
     pub native_ms: f64,
-    /// Median time as a wasm task (epoch interruption on, as jobs run), ms.
+    /// Isolation measured: `process` (worker process, as `gpunode serve` runs tasks) or
+    /// `thread` (epoch interruption, as in-process test networks run them).
+    pub isolation: String,
+    /// Median time as a wasm task, ms.
     pub wasm_ms: f64,
     /// wasm over native.
     pub ratio: f64,
-    /// Median time from a cached module to the end of a trivial task, ms (module in memory).
+    /// Median time from a cached module to the end of a trivial task, ms (module in
+    /// this process's memory; a worker process loads it from disk).
     pub cached_start_ms: f64,
-    /// The same with the compiled module loaded from disk (a restarted node), ms.
+    /// The same with a fresh executor loading the module from disk (a restarted node), ms.
     pub disk_cached_start_ms: f64,
     /// First compilation of the kernel's module, ms.
     pub compile_ms: f64,
 }
 
-/// Times `checksum matmul N` natively and in the sandbox, and the start of a cached task.
+/// Times `checksum matmul N` natively and in the sandbox with each isolation, and the
+/// start of a cached task. `worker` is the binary that serves as the sandbox worker.
 pub fn sandbox_overhead(
     native: &Path,
     wasm: &Path,
+    worker: &Path,
     n: usize,
     runs: usize,
-) -> Result<SandboxReport> {
-    use gpunode_sandbox::wasm::{CancelToken, Limits, RunSpec, WasmExecutor};
+) -> Result<Vec<SandboxReport>> {
+    use gpunode_sandbox::wasm::{CancelToken, Isolation, Limits, RunSpec, WasmExecutor};
     let arg = n.to_string();
     let mut native_times = Vec::new();
     let mut expected = String::new();
@@ -303,74 +309,82 @@ pub fn sandbox_overhead(
         native_times.push(t.elapsed().as_secs_f64() * 1000.0);
         expected = String::from_utf8_lossy(&out.stdout).into_owned();
     }
-    let cache = tempfile::tempdir()?;
-    let exec = WasmExecutor::new(cache.path())?;
+    native_times.sort_by(f64::total_cmp);
+    let native_ms = percentile(&native_times, 0.5);
     let bytes = std::fs::read(wasm).with_context(|| format!("read {}", wasm.display()))?;
-    let t = Instant::now();
-    let task = exec.compile(&bytes, false)?;
-    let compile_ms = t.elapsed().as_secs_f64() * 1000.0;
+    let hello =
+        std::fs::read(Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/wat/hello.wat"))?;
     let work = tempfile::tempdir()?;
-    let spec = |args: Vec<String>, out: std::sync::Arc<std::sync::Mutex<Vec<u8>>>| RunSpec {
+    type Captured = std::sync::Arc<std::sync::Mutex<Vec<u8>>>;
+    let spec = |args: Vec<String>, out: Captured| RunSpec {
         args,
         env: Vec::new(),
         input_dir: None,
         output_dir: work.path().join("out"),
         limits: Limits::default(),
         stdout: Box::new(move |b: &[u8]| {
-            out.lock().map(|mut o| o.extend_from_slice(b)).unwrap_or(())
+            if let Ok(mut o) = out.lock() {
+                o.extend_from_slice(b)
+            }
         }),
         stderr: Box::new(|_| {}),
         cancel: CancelToken::new(),
     };
-    let mut wasm_times = Vec::new();
-    for _ in 0..runs {
-        let out = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut reports = Vec::new();
+    for isolation in [Isolation::Process(worker.to_path_buf()), Isolation::Thread] {
+        let label = match isolation {
+            Isolation::Process(_) => "process",
+            Isolation::Thread => "thread",
+        };
+        let cache = tempfile::tempdir()?;
+        let exec = WasmExecutor::with_isolation(cache.path(), isolation.clone())?;
         let t = Instant::now();
-        exec.run(&task, spec(vec!["matmul".into(), arg.clone()], out.clone()))?;
-        wasm_times.push(t.elapsed().as_secs_f64() * 1000.0);
-        let got = String::from_utf8_lossy(&out.lock().map(|o| o.clone()).unwrap_or_default())
-            .into_owned();
-        if got != expected {
-            bail!("wasm and native disagree: {got:?} vs {expected:?}");
+        let task = exec.compile(&bytes, false)?;
+        let compile_ms = t.elapsed().as_secs_f64() * 1000.0;
+        let mut wasm_times = Vec::new();
+        for _ in 0..runs {
+            let out: Captured = Default::default();
+            let t = Instant::now();
+            exec.run(&task, spec(vec!["matmul".into(), arg.clone()], out.clone()))?;
+            wasm_times.push(t.elapsed().as_secs_f64() * 1000.0);
+            let got = out.lock().map(|o| o.clone()).unwrap_or_default();
+            if String::from_utf8_lossy(&got) != expected {
+                bail!("wasm and native disagree: {got:?} vs {expected:?}");
+            }
         }
+        // Start of a trivial task whose module is cached: compile() hit plus the run.
+        exec.compile(&hello, false)?;
+        let mut start_times = Vec::new();
+        for _ in 0..runs.max(20) {
+            let t = Instant::now();
+            let task = exec.compile(&hello, false)?;
+            exec.run(&task, spec(Vec::new(), Default::default()))?;
+            start_times.push(t.elapsed().as_secs_f64() * 1000.0);
+        }
+        let mut disk_times = Vec::new();
+        for _ in 0..5 {
+            let fresh = WasmExecutor::with_isolation(cache.path(), isolation.clone())?;
+            let t = Instant::now();
+            let task = fresh.compile(&hello, false)?;
+            fresh.run(&task, spec(Vec::new(), Default::default()))?;
+            disk_times.push(t.elapsed().as_secs_f64() * 1000.0);
+        }
+        for v in [&mut wasm_times, &mut start_times, &mut disk_times] {
+            v.sort_by(f64::total_cmp);
+        }
+        let wasm_ms = percentile(&wasm_times, 0.5);
+        reports.push(SandboxReport {
+            n,
+            native_ms,
+            isolation: label.into(),
+            wasm_ms,
+            ratio: wasm_ms / native_ms,
+            cached_start_ms: percentile(&start_times, 0.5),
+            disk_cached_start_ms: percentile(&disk_times, 0.5),
+            compile_ms,
+        });
     }
-    // Start of a trivial task whose module is cached: compile() hit plus the whole run.
-    let hello =
-        std::fs::read(Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/wat/hello.wat"))?;
-    exec.compile(&hello, false)?;
-    let mut start_times = Vec::new();
-    for _ in 0..runs.max(20) {
-        let t = Instant::now();
-        let task = exec.compile(&hello, false)?;
-        exec.run(&task, spec(Vec::new(), Default::default()))?;
-        start_times.push(t.elapsed().as_secs_f64() * 1000.0);
-    }
-    let mut disk_times = Vec::new();
-    for _ in 0..5 {
-        let fresh = WasmExecutor::new(cache.path())?;
-        let t = Instant::now();
-        let task = fresh.compile(&hello, false)?;
-        fresh.run(&task, spec(Vec::new(), Default::default()))?;
-        disk_times.push(t.elapsed().as_secs_f64() * 1000.0);
-    }
-    for v in [
-        &mut native_times,
-        &mut wasm_times,
-        &mut start_times,
-        &mut disk_times,
-    ] {
-        v.sort_by(f64::total_cmp);
-    }
-    let (native_ms, wasm_ms) = (percentile(&native_times, 0.5), percentile(&wasm_times, 0.5));
-    Ok(SandboxReport {
-        n,
-        native_ms,
-        wasm_ms,
-        ratio: wasm_ms / native_ms,
-        cached_start_ms: percentile(&start_times, 0.5),
-        disk_cached_start_ms: percentile(&disk_times, 0.5),
-        compile_ms,
-    })
+    Ok(reports)
 }
 
 /// The example kernel built natively and for wasm32-wasip1 (release), building both.

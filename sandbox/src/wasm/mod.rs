@@ -1,12 +1,19 @@
-//! The wasm executor: one wasmtime engine per node (plus one with fuel metering, made
-//! on first use), a ticker thread that advances the epoch every 10 ms, a module cache,
-//! and `run`, which executes one task to a single [`Outcome`].
+//! The wasm executor: one wasmtime engine per node (plus one with fuel metering), a
+//! module cache, and `run`, which executes one task to a single [`Outcome`].
+//!
+//! Two isolations ([`Isolation`]): `Thread` runs the guest on the calling thread with
+//! epoch interruption (a ticker advances the epoch every 10 ms and each tick checks the
+//! deadline, cancellation and output caps); `Process` runs each guest in a worker
+//! process (see [`worker`]) compiled without epoch checks, which makes compute-bound
+//! code about 3x faster, and enforces the deadline, cancellation and output caps from
+//! outside by killing the worker. Memory limits apply inside either way.
 //!
 //! `run` blocks (WASI p1's sync bindings drive their own runtime); callers run it on a
 //! thread of its own or through `spawn_blocking`, never on an async worker.
 
 mod cache;
 mod output;
+pub mod worker;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -73,7 +80,7 @@ impl Default for Limits {
 }
 
 /// How a run ended.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum Outcome {
     /// The guest exited with this code (0 when `_start` returned).
     Exited(i32),
@@ -106,7 +113,8 @@ impl CancelToken {
         self.0.store(true, Ordering::SeqCst);
     }
 
-    fn is_cancelled(&self) -> bool {
+    /// Whether [`CancelToken::cancel`] was called.
+    pub fn is_cancelled(&self) -> bool {
         self.0.load(Ordering::SeqCst)
     }
 }
@@ -116,6 +124,7 @@ impl CancelToken {
 pub struct CompiledTask {
     module: Module,
     fuel: bool,
+    bytes: Arc<Vec<u8>>,
     /// blake3 of the source bytes.
     pub hash: String,
     /// Where the compiled code came from.
@@ -200,50 +209,112 @@ struct Host {
     limiter: Limiter,
 }
 
+/// Where guests run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Isolation {
+    /// On the caller's thread, interrupted by epoch checks.
+    Thread,
+    /// In a worker process started from this binary (which must call
+    /// [`worker::worker_main`] when given [`worker::WORKER_ARG`]); killed from outside.
+    Process(PathBuf),
+}
+
 /// Runs WASI tasks. One per node; cheap to share behind an `Arc`.
 pub struct WasmExecutor {
     engine: Engine,
     fuel_engine: Engine,
     cache: cache::ModuleCache,
+    cache_dir: PathBuf,
+    isolation: Isolation,
+    /// Whether the engines insert epoch checks (thread isolation only).
+    epoch: bool,
     stop_ticker: Arc<AtomicBool>,
     ticker: Option<JoinHandle<()>>,
 }
 
-fn engine_config(fuel: bool) -> Config {
+fn engine_config(fuel: bool, epoch: bool) -> Config {
     let mut c = Config::new();
-    c.epoch_interruption(true);
+    c.epoch_interruption(epoch);
     c.consume_fuel(fuel);
     c
 }
 
 impl WasmExecutor {
-    /// An executor whose compiled-module cache lives in `cache_dir`.
+    /// An executor running guests on the caller's thread, with its compiled-module
+    /// cache in `cache_dir`.
     pub fn new(cache_dir: &Path) -> Result<WasmExecutor, SandboxError> {
+        WasmExecutor::with_isolation(cache_dir, Isolation::Thread)
+    }
+
+    /// An executor with the given isolation.
+    pub fn with_isolation(
+        cache_dir: &Path,
+        isolation: Isolation,
+    ) -> Result<WasmExecutor, SandboxError> {
+        let epoch = isolation == Isolation::Thread;
+        WasmExecutor::build(cache_dir, isolation, epoch, None)
+    }
+
+    /// What a worker process runs one guest with: no epoch checks (it is killed from
+    /// outside), and only the one engine that guest needs, to start fast.
+    fn for_worker(cache_dir: &Path, fuel: bool) -> Result<WasmExecutor, SandboxError> {
+        WasmExecutor::build(cache_dir, Isolation::Thread, false, Some(fuel))
+    }
+
+    /// `only`: make just the plain (`Some(false)`) or the fuel (`Some(true)`) engine.
+    fn build(
+        cache_dir: &Path,
+        isolation: Isolation,
+        epoch: bool,
+        only: Option<bool>,
+    ) -> Result<WasmExecutor, SandboxError> {
         let setup = |e: wasmtime::Error| SandboxError::Setup(e.to_string());
-        let engine = Engine::new(&engine_config(false)).map_err(setup)?;
-        let fuel_engine = Engine::new(&engine_config(true)).map_err(setup)?;
+        let (engine, fuel_engine) = match only {
+            Some(fuel) => {
+                let e = Engine::new(&engine_config(fuel, epoch)).map_err(setup)?;
+                (e.clone(), e)
+            }
+            None => (
+                Engine::new(&engine_config(false, epoch)).map_err(setup)?,
+                Engine::new(&engine_config(true, epoch)).map_err(setup)?,
+            ),
+        };
         let cache = cache::ModuleCache::new(cache_dir)
             .map_err(|e| SandboxError::Setup(format!("cache dir {}: {e}", cache_dir.display())))?;
         let stop_ticker = Arc::new(AtomicBool::new(false));
-        let (stop, engines) = (stop_ticker.clone(), [engine.clone(), fuel_engine.clone()]);
-        let ticker = std::thread::Builder::new()
-            .name("wasm-epoch".into())
-            .spawn(move || {
-                while !stop.load(Ordering::Relaxed) {
-                    std::thread::sleep(TICK);
-                    for e in &engines {
-                        e.increment_epoch();
-                    }
-                }
-            })
-            .map_err(|e| SandboxError::Setup(e.to_string()))?;
+        let ticker = if epoch {
+            let (stop, engines) = (stop_ticker.clone(), [engine.clone(), fuel_engine.clone()]);
+            Some(
+                std::thread::Builder::new()
+                    .name("wasm-epoch".into())
+                    .spawn(move || {
+                        while !stop.load(Ordering::Relaxed) {
+                            std::thread::sleep(TICK);
+                            for e in &engines {
+                                e.increment_epoch();
+                            }
+                        }
+                    })
+                    .map_err(|e| SandboxError::Setup(e.to_string()))?,
+            )
+        } else {
+            None
+        };
         Ok(WasmExecutor {
             engine,
             fuel_engine,
             cache,
+            cache_dir: cache_dir.to_path_buf(),
+            isolation,
+            epoch,
             stop_ticker,
-            ticker: Some(ticker),
+            ticker,
         })
+    }
+
+    /// How this executor isolates guests.
+    pub fn isolation(&self) -> &Isolation {
+        &self.isolation
     }
 
     fn engine_for(&self, fuel: bool) -> &Engine {
@@ -259,7 +330,11 @@ impl WasmExecutor {
     /// function and it exports `_start`.
     pub fn compile(&self, bytes: &[u8], fuel: bool) -> Result<CompiledTask, SandboxError> {
         let hash = blake3::hash(bytes).to_hex().to_string();
-        let key = format!("{hash}-{}", if fuel { "fuel" } else { "epoch" });
+        let key = format!(
+            "{hash}-{}-{}",
+            if fuel { "fuel" } else { "plain" },
+            if self.epoch { "epoch" } else { "free" }
+        );
         let engine = self.engine_for(fuel);
         let (module, source) = self
             .cache
@@ -288,6 +363,7 @@ impl WasmExecutor {
         Ok(CompiledTask {
             module,
             fuel,
+            bytes: Arc::new(bytes.to_vec()),
             hash,
             source,
         })
@@ -295,6 +371,17 @@ impl WasmExecutor {
 
     /// Runs a compiled task to its outcome. Blocks the calling thread.
     pub fn run(&self, task: &CompiledTask, spec: RunSpec) -> Result<Outcome, SandboxError> {
+        match &self.isolation {
+            Isolation::Process(binary) => {
+                worker::run_in_worker(binary, &self.cache_dir, task, spec)
+            }
+            Isolation::Thread => self.run_here(task, spec),
+        }
+    }
+
+    /// Runs on this thread; with epoch checks when the engine has them, otherwise only
+    /// memory limits apply here (a worker's parent enforces the rest).
+    fn run_here(&self, task: &CompiledTask, spec: RunSpec) -> Result<Outcome, SandboxError> {
         let engine = self.engine_for(task.fuel);
         let exceeded_stdout = Arc::new(AtomicBool::new(false));
         let exceeded_stderr = Arc::new(AtomicBool::new(false));
@@ -351,7 +438,9 @@ impl WasmExecutor {
         );
         let (so, se) = (exceeded_stdout.clone(), exceeded_stderr.clone());
         let mut ticks = 0u64;
-        store.set_epoch_deadline(1);
+        if self.epoch {
+            store.set_epoch_deadline(1);
+        }
         store.epoch_deadline_callback(move |_| {
             ticks += 1;
             if cancel.is_cancelled() {
@@ -420,7 +509,7 @@ fn classify(e: &wasmtime::Error, stdout: &AtomicBool, stderr: &AtomicBool) -> Ou
 }
 
 /// Size and count of what is in `dir` (recursively), or why it is over the limits.
-fn over_output_limits(dir: &Path, max_bytes: u64, max_files: u64) -> Option<String> {
+pub(crate) fn over_output_limits(dir: &Path, max_bytes: u64, max_files: u64) -> Option<String> {
     let (mut bytes, mut files) = (0u64, 0u64);
     let mut stack = vec![dir.to_path_buf()];
     while let Some(d) = stack.pop() {

@@ -84,7 +84,7 @@ enum Bench {
     /// A compute kernel natively and as a wasm task; start time of a cached module.
     SandboxOverhead {
         /// Matrix size of the kernel.
-        #[arg(long, default_value_t = 300)]
+        #[arg(long, default_value_t = 500)]
         n: usize,
         /// Runs of each.
         #[arg(long, default_value_t = 5)]
@@ -207,8 +207,10 @@ fn main() -> Result<()> {
             which: Bench::SandboxOverhead { n, runs },
         } => {
             let (native, wasm) = testnet::bench_jobs::build_kernel()?;
-            let report = testnet::bench_jobs::sandbox_overhead(&native, &wasm, n, runs)?;
-            println!("{}", serde_json::to_string(&report)?);
+            let worker = gpunode_binary()?;
+            for report in testnet::bench_jobs::sandbox_overhead(&native, &wasm, &worker, n, runs)? {
+                println!("{}", serde_json::to_string(&report)?);
+            }
             Ok(())
         }
     }
