@@ -141,3 +141,35 @@ fn bad_flags_and_second_daemon_are_refused() {
     assert_eq!(st.status.code(), Some(1));
     assert!(stdout(&st).contains("not running"));
 }
+
+#[test]
+fn bad_run_flags_and_task_files_are_refused_before_any_lease() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let d = tmp.path().join("d");
+    let task = tmp.path().join("t.wat");
+    fs::write(&task, "(module (func (export \"_start\")))").expect("write");
+    let task = task.to_str().expect("utf8");
+    let cases: [(&[&str], &str); 7] = [
+        (&["run", task, "--env", "NOEQUALS"], "expected NAME=VALUE"),
+        (&["run", task, "--env", "=v"], "the name is empty"),
+        (&["run", task, "--timeout", "0s"], "--timeout"),
+        (&["run", task, "--timeout", "soon"], "invalid --timeout"),
+        (&["run", task, "--mem", "lots"], "invalid --mem"),
+        (&["run", "/nonexistent/task.wasm"], "does not exist"),
+        (
+            &["run", "--detach", task],
+            "--detach needs a running daemon",
+        ),
+    ];
+    for (args, expect) in cases {
+        let out = gpunode(&d, args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {}", stderr(&out));
+        let err = stderr(&out);
+        assert!(err.contains(expect), "{args:?}: {err}");
+    }
+    // Nothing was started: no identity, no store.
+    assert!(!d.join("store").exists());
+    let out = gpunode(&d, &["jobs"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr(&out).contains("no gpunode daemon is running"));
+}
