@@ -107,6 +107,9 @@ async fn outputs_come_back_byte_for_byte_and_nothing_is_sent_twice() {
     net.shutdown().await;
 }
 
+/// In one process a "crash" aborts the node's tasks, but its connections outlive the
+/// abort, so the provider's job handler reports the job stopped (as a provider that
+/// shuts down would). `tests/tests/run.rs` kills a real provider process with SIGKILL.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_provider_that_dies_mid_task_is_replaced() {
     let mut net = network(3).await;
@@ -138,8 +141,12 @@ async fn a_provider_that_dies_mid_task_is_replaced() {
     assert!(rest
         .iter()
         .any(|e| matches!(e, JobEvent::Retrying { provider: p, .. } if p == provider)));
-    let all: Vec<JobEvent> = first.into_iter().chain(rest).collect();
-    assert_eq!(stdout_of(&all), b"started\nstarted\ndone\n");
+    // The second provider ran the task from the start, and its whole output came back.
+    let retry = rest
+        .iter()
+        .position(|e| matches!(e, JobEvent::Retrying { .. }))
+        .expect("retry announced");
+    assert_eq!(stdout_of(&rest[retry..]), b"started\ndone\n");
     net.shutdown().await;
 }
 
@@ -163,15 +170,26 @@ async fn the_job_stops_when_its_lease_ends() {
         .unwrap()
         .lease_id
         .unwrap();
-    // The provider ends the lease: the job is killed and reported as cancelled.
+    // The provider ends the lease: the job is killed there, and the requester, which
+    // did not ask for that, looks for another provider (there is none here).
     provider.handle.cancel_lease(&lease).await.unwrap();
     let rest = until_end(&client.handle, &view.job_id, &mut from)
         .await
         .unwrap();
-    let summary = outcome(&rest).expect("ended").expect("reported");
-    assert_eq!(summary.outcome, JobOutcome::Cancelled);
-    assert_eq!(summary.exit_code, 130);
+    let error = outcome(&rest)
+        .expect("ended")
+        .expect_err("no other provider");
+    assert!(
+        error.contains("stopped the job") || error.contains("no other is available"),
+        "{error}"
+    );
+    assert!(rest.iter().any(|e| matches!(e, JobEvent::Retrying { .. })));
     assert_eq!(provider.handle.metrics().jobs_running.get(), 0);
+    assert!(provider
+        .handle
+        .metrics()
+        .encode()
+        .contains("gpunode_jobs_run_total{outcome=\"cancelled\"} 1"));
     let jobs_dir = provider.data_dir().jobs_dir();
     let left = std::fs::read_dir(&jobs_dir).map(|d| d.count()).unwrap_or(0);
     assert_eq!(left, 0, "job directory cleaned up");

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use gpunode_e2e::{example_checksum_wasm, gpunode, gpunode_bin, stderr, stdout, workspace_file};
 use serde_json::Value;
-use testnet::process::{ServeProcess, SIGINT};
+use testnet::process::{ServeProcess, SIGINT, SIGKILL};
 
 fn free_udp_port() -> u16 {
     std::net::UdpSocket::bind("127.0.0.1:0")
@@ -188,6 +188,100 @@ fn run_ships_a_task_to_a_peer_and_brings_back_its_output() {
         .stop(SIGINT, Duration::from_secs(15))
         .expect("stop");
     provider
+        .stop(SIGINT, Duration::from_secs(15))
+        .expect("stop");
+}
+
+#[test]
+fn a_provider_killed_mid_task_is_replaced() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let bin = gpunode_bin();
+    let mut first = ServeProcess::start(&bin, &tmp.path().join("p1"), &[]).expect("provider 1");
+    let mut second = ServeProcess::start(
+        &bin,
+        &tmp.path().join("p2"),
+        &["--bootstrap".into(), first.addr.clone()],
+    )
+    .expect("provider 2");
+    let mut requester = ServeProcess::start(
+        &bin,
+        &tmp.path().join("r"),
+        &[
+            "--bootstrap".into(),
+            first.addr.clone(),
+            "--price".into(),
+            "99".into(),
+        ],
+    )
+    .expect("requester");
+    // Both providers visible to the requester (which never lists itself).
+    let mut seen = 0;
+    for _ in 0..100 {
+        let out = gpunode(&requester.data_dir, &["offers", "--json"]);
+        seen = serde_json::from_str::<Vec<Value>>(&stdout(&out))
+            .map(|o| o.len())
+            .unwrap_or(0);
+        if seen >= 2 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert!(seen >= 2, "both providers visible: {seen}");
+
+    let spin = workspace_file("testnet/tasks/spin.wat");
+    let out_dir = tmp.path().join("out");
+    let run = std::process::Command::new(&bin)
+        .arg("--data-dir")
+        .arg(&requester.data_dir)
+        .args([
+            "run",
+            spin.to_str().expect("utf8"),
+            "--output",
+            out_dir.to_str().expect("utf8"),
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run");
+    // Wait until it runs somewhere, then kill -9 that provider.
+    let mut provider = String::new();
+    for _ in 0..200 {
+        let out = gpunode(&requester.data_dir, &["jobs", "--json"]);
+        let jobs: Vec<Value> = serde_json::from_str(&stdout(&out)).unwrap_or_default();
+        if let Some(j) = jobs.first().filter(|j| j["state"] == "running") {
+            provider = j["provider"].as_str().unwrap_or_default().to_string();
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(!provider.is_empty(), "the job started");
+    let victim = if provider == first.peer_id {
+        &mut first
+    } else {
+        &mut second
+    };
+    victim
+        .stop(SIGKILL, Duration::from_secs(5))
+        .expect("kill -9");
+    let out = run.wait_with_output().expect("run ends");
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(7), "{err}");
+    assert!(err.contains("retrying elsewhere"), "{err}");
+    assert!(err.contains("after 2 attempts"), "{err}");
+    assert!(
+        stdout(&out).ends_with("started\ndone\n"),
+        "{}",
+        stdout(&out)
+    );
+    requester
+        .stop(SIGINT, Duration::from_secs(15))
+        .expect("stop");
+    let survivor = if provider == first.peer_id {
+        &mut second
+    } else {
+        &mut first
+    };
+    survivor
         .stop(SIGINT, Duration::from_secs(15))
         .expect("stop");
 }

@@ -63,10 +63,16 @@ struct Admitted {
     wall_time: Duration,
     memory_bytes: u64,
     cpus: u32,
+    /// Time left on the lease: the whole exchange must end by then (plus a grace).
+    lease_left: Duration,
 }
 
+/// How long after its lease's end a job's exchange may still finish sending outputs.
+const AFTER_LEASE_GRACE: Duration = Duration::from_secs(30);
+
 impl JobService {
-    /// Serves inbound job streams until `stop` turns true.
+    /// Serves inbound job streams until `stop` turns true. Guests are stopped through
+    /// [`super::LeaseJobs`] when the node stops; each exchange then ends on its own.
     pub async fn serve(
         self: Arc<Self>,
         mut incoming: libp2p_stream::IncomingStreams,
@@ -122,9 +128,20 @@ impl JobService {
         metrics
             .job_bytes_cached
             .inc_by(submit.input_bytes().saturating_sub(sent));
-        let result = self
-            .run_admitted(peer, &submit, admitted, &missing, r, &mut w)
-            .await;
+        // A requester that stalls mid-upload or never reads its outputs cannot hold
+        // this job (its pins, its directory) past the lease.
+        let limit = admitted.lease_left + AFTER_LEASE_GRACE;
+        let result = tokio::time::timeout(
+            limit,
+            self.run_admitted(peer, &submit, admitted, &missing, r, &mut w),
+        )
+        .await
+        .unwrap_or_else(|_| {
+            Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "the exchange outlived its lease",
+            ))
+        });
         self.blobs.unpin(&wanted);
         if let Err(e) = result {
             tracing::info!(%peer, lease = %submit.lease_id, "job ended early: {e}");
@@ -215,6 +232,7 @@ impl JobService {
             wall_time: Duration::from_millis(s.timeout_ms.min(lease_left)),
             memory_bytes: memory,
             cpus: record.terms.cpus.clamp(1, self.total_slots.max(1)),
+            lease_left: Duration::from_millis(lease_left),
         })
     }
 

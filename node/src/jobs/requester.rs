@@ -13,6 +13,7 @@ use gpunode_protocol::job::{
     ProviderMsg, RequesterMsg, JOB_VERSION, MAX_INPUT_FILES,
 };
 use gpunode_protocol::lease::LeaseId;
+use gpunode_protocol::time::now_ms;
 use libp2p::PeerId;
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
@@ -25,6 +26,8 @@ use crate::{LeaseError, LeaseSpec, LeaseView, NodeHandle};
 const LEASE_MARGIN_MS: u64 = 120_000;
 /// How long opening the job stream may take.
 const OPEN_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long past its lease's end an attempt may still take before it is given up.
+const ATTEMPT_GRACE: Duration = Duration::from_secs(30);
 /// How long a cancelled job may take to report back.
 const CANCEL_GRACE: Duration = Duration::from_secs(5);
 
@@ -274,9 +277,16 @@ impl NodeHandle {
                 price_per_gpu_hour: lease.price_per_gpu_hour,
             });
             let started = Instant::now();
-            let outcome = self
-                .attempt(&req, &prepared, &lease, events, &mut cancel)
-                .await;
+            // A provider that stops answering without dropping the connection cannot
+            // hold the job past its lease.
+            let watchdog =
+                Duration::from_millis(lease.end_ms.saturating_sub(now_ms())) + ATTEMPT_GRACE;
+            let outcome = tokio::time::timeout(
+                watchdog,
+                self.attempt(&req, &prepared, &lease, events, &mut cancel),
+            )
+            .await
+            .unwrap_or_else(|_| Attempt::Retry("the provider stopped answering".into()));
             // The job is over on this lease either way: release the provider's resources
             // (in the background, so a dead provider does not hold up the retry).
             let node = self.clone();
@@ -459,6 +469,10 @@ impl NodeHandle {
                 Err(e) => return lost(e),
             }
         };
+        if report.outcome == JobOutcome::Cancelled && !cancel_sent {
+            // Not our doing: the provider ended the lease, shut down or was preempted.
+            return Attempt::Retry("the provider stopped the job before it ended".into());
+        }
         match self.download(req, &report, &mut r, events).await {
             Ok(()) => Attempt::Done(report),
             Err(e) => Attempt::Retry(format!("downloading outputs failed: {e}")),

@@ -1,7 +1,7 @@
 //! The jobs a node runs for its own user: each job's view (state, provider, result) and
 //! its events in order, so `gpunode jobs`, `gpunode logs [--follow]` and a re-attached
 //! `gpunode run` read the same history. Events are kept in memory up to a bound per job
-//! (the oldest output is dropped first, and the view says so). The table lives in
+//! (the oldest events are dropped first, and the view counts the output lost). The table lives in
 //! memory: a daemon restart forgets it (the leases themselves are in the store).
 
 use std::collections::HashMap;
@@ -197,42 +197,16 @@ impl JobTable {
             }
             JobEvent::Progress { .. } => {}
         }
-        // Progress of the same file replaces the previous report.
-        if let (
-            Some(JobEvent::Progress {
-                name: a,
-                direction: d,
-                ..
-            }),
-            JobEvent::Progress {
-                name: b,
-                direction: d2,
-                ..
-            },
-        ) = (e.events.last(), &event)
-        {
-            if a == b && d == d2 {
-                e.events.pop();
-                e.offset += 1;
-            }
-        }
         e.events.push(event);
-        while e.log_bytes > MAX_LOG_BYTES {
-            let Some(pos) = e
-                .events
-                .iter()
-                .position(|ev| matches!(ev, JobEvent::Stdout { .. } | JobEvent::Stderr { .. }))
-            else {
-                break;
-            };
-            // Drop output from the front (only whole events before `pos` stay in order
-            // for followers; positions keep counting through `offset`).
-            let removed = e.events.remove(pos);
+        // Over the bound, the oldest events go (positions stay valid: `offset` counts
+        // what was dropped from the front).
+        while e.log_bytes > MAX_LOG_BYTES && !e.events.is_empty() {
+            let removed = e.events.remove(0);
+            e.offset += 1;
             if let JobEvent::Stdout { data } | JobEvent::Stderr { data } = removed {
                 e.log_bytes -= data.len();
                 e.view.log_bytes_dropped += data.len() as u64;
             }
-            e.offset += 1;
         }
         let total = e.offset + e.events.len();
         e.changed.send_replace(total);
@@ -409,39 +383,35 @@ mod tests {
     }
 
     #[test]
-    fn log_is_bounded_and_progress_coalesces() {
+    fn log_is_bounded_from_the_front_and_positions_stay_valid() {
         let table = JobTable::default();
         let (id, _) = table.insert(&request());
-        for _ in 0..20 {
+        for i in 0..20u8 {
             table.push(
                 &id,
                 JobEvent::Stdout {
-                    data: vec![b'x'; 1 << 20],
+                    data: vec![i; 1 << 20],
                 },
             );
         }
-        for done in [1, 2, 3] {
-            table.push(
-                &id,
-                JobEvent::Progress {
-                    direction: "upload".into(),
-                    name: "f".into(),
-                    done,
-                    total: 3,
-                },
-            );
+        {
+            let map = table.lock();
+            let e = &map[&id];
+            assert!(e.log_bytes <= MAX_LOG_BYTES);
+            assert_eq!(e.view.log_bytes_dropped, 12 << 20);
+            assert_eq!(e.offset + e.events.len(), 20);
         }
-        let map = table.lock();
-        let e = &map[&id];
-        assert!(e.log_bytes <= MAX_LOG_BYTES);
-        assert_eq!(e.view.log_bytes_dropped, 12 << 20);
-        assert_eq!(e.offset + e.events.len(), 23);
-        assert_eq!(
-            e.events
-                .iter()
-                .filter(|ev| matches!(ev, JobEvent::Progress { .. }))
-                .count(),
-            1
-        );
+        // A follower at position 15 gets events 15.. exactly; one behind the front gets
+        // what is left.
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let page = rt.block_on(table.events(&id, 15, Duration::ZERO)).unwrap();
+        assert_eq!(page.next, 20);
+        assert_eq!(page.events.len(), 5);
+        assert!(matches!(&page.events[0], JobEvent::Stdout { data } if data[0] == 15));
+        let page = rt.block_on(table.events(&id, 0, Duration::ZERO)).unwrap();
+        assert!(matches!(&page.events[0], JobEvent::Stdout { data } if data[0] == 12));
     }
 }
