@@ -189,6 +189,17 @@ impl NodeConfig {
                 "inventory_poll must be at least 10ms".to_string(),
             ));
         }
+        if self.max_job_bytes < 1 << 20 {
+            return Err(ConfigError::Invalid(
+                "max_job_bytes must be at least 1M (module plus inputs of one job)".to_string(),
+            ));
+        }
+        if self.blob_cache < self.max_job_bytes {
+            return Err(ConfigError::Invalid(format!(
+                "blob_cache ({} bytes) must be at least max_job_bytes ({} bytes): a job's inputs are kept there while it runs",
+                self.blob_cache, self.max_job_bytes
+            )));
+        }
         if let Some(spec) = &self.simulate_gpus {
             crate::inventory::SimulatedGpus::parse_spec(spec)
                 .map_err(|e| ConfigError::Invalid(e.to_string()))?;
@@ -320,6 +331,17 @@ mod tests {
             .unwrap_err()
             .contains("peer id"));
         assert!(NodeConfig::parse("offer_window = \"1h\"").is_err());
+        assert!(NodeConfig::parse("max_job_bytes = \"10\"")
+            .unwrap_err()
+            .contains("max_job_bytes"));
+        assert!(NodeConfig::parse("blob_cache = \"lots\"")
+            .unwrap_err()
+            .contains("blob_cache"));
+        assert!(
+            NodeConfig::parse("blob_cache = \"1M\"\nmax_job_bytes = \"2M\"")
+                .unwrap_err()
+                .contains("blob_cache")
+        );
     }
 
     #[test]

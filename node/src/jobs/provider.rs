@@ -305,6 +305,12 @@ impl JobService {
         let cancel = CancelToken::new();
         let key = self.lease_jobs.add(submit.lease_id, cancel.clone());
         let _registered = Unregister(&self.lease_jobs, submit.lease_id, key);
+        // However this exchange ends (the requester gone mid-run included), the guest
+        // does not outlive it.
+        let _stop_guest = {
+            let cancel = cancel.clone();
+            scopeguard(move || cancel.cancel())
+        };
         // The lease may have ended between admission and registration.
         if !matches!(self.node.lease(&submit.lease_id).await, Ok(Some(l)) if l.state == LeaseState::Active)
         {

@@ -276,18 +276,23 @@ pub(crate) fn run_in_worker(
             }
         }
     };
-    if stopped.is_some() {
+    if let Some(outcome) = stopped {
         let _ = child.kill();
+        // The reader may be blocked handing over a frame: dropping the receiver frees it.
+        drop(rx);
+        let _ = child.wait();
+        let _ = writer.join();
+        let _ = reader.join();
+        let _ = errors.join();
+        return Ok(outcome);
     }
+    // The worker closed its stdout, so the reader has ended.
     let status = child
         .wait()
         .map_err(|e| SandboxError::Setup(e.to_string()))?;
     let _ = writer.join();
     let _ = reader.join();
     let worker_errors = errors.join().unwrap_or_default();
-    if let Some(outcome) = stopped {
-        return Ok(outcome);
-    }
     // Frames still queued when the worker exited.
     while let Ok(frame) = rx.try_recv() {
         match frame {
