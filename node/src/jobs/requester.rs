@@ -168,7 +168,7 @@ pub struct JobSummary {
     pub wall_ms: u64,
     /// Time the task ran on the provider, ms.
     pub run_ms: u64,
-    /// Credits: price per GPU-hour × GPUs × wall time.
+    /// Credits: price per GPU-hour × GPUs (at least one) × wall time.
     pub cost: f64,
     /// Where outputs were written.
     pub output_dir: PathBuf,
@@ -297,7 +297,8 @@ impl NodeHandle {
             match outcome {
                 Attempt::Done(report) => {
                     let wall_ms = started.elapsed().as_millis() as u64;
-                    let gpus = lease.gpus.len() as f64;
+                    // Priced like the lease's maximum: a lease without GPUs as one GPU.
+                    let gpus = lease.gpus.len().max(1) as f64;
                     return Ok(JobSummary {
                         provider: lease.provider.clone(),
                         lease_id: lease.lease_id.clone(),
