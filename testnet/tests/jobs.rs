@@ -245,6 +245,11 @@ async fn an_invalid_module_costs_no_lease() {
         .await
         .unwrap();
     assert!(end.unwrap_err().contains("cannot read task file"));
+    // A description too large for one message is refused before any lease, too.
+    let mut huge = request(task("spin.wat"), dir.path());
+    huge.args = vec!["x".repeat(300_000)];
+    let (_, end) = run_to_end(&client.handle, huge, LONG).await.unwrap();
+    assert!(end.unwrap_err().contains("pack the inputs"));
     assert!(client.handle.list_leases().await.unwrap().is_empty());
     net.shutdown().await;
 }

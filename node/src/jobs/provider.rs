@@ -254,6 +254,9 @@ impl JobService {
         };
         wire::write_message(w, &accepted).await?;
         w.flush().await?;
+        // Each commit pins its blob once more (the caller unpins `wanted`); these pins
+        // go when this exchange ends, however it ends.
+        let mut committed = UnpinOnDrop(&self.blobs, Vec::with_capacity(missing.len()));
         for blob in missing {
             let temp = self.blobs.temp_path();
             let mut file = tokio::fs::File::create(&temp).await?;
@@ -267,9 +270,8 @@ impl JobService {
                 let _ = wire::write_message(w, &ProviderMsg::Rejected(rej)).await;
                 return Err(e);
             }
+            committed.1.push(*blob);
         }
-        // The commits above pinned the new blobs once more; the caller unpins `wanted`.
-        let _unpin_new = UnpinOnDrop(&self.blobs, missing.to_vec());
 
         let module_path = self.blobs.path(&submit.module.hash);
         let exec = self.executor.clone();

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use futures::{AsyncReadExt, AsyncWriteExt};
 use gpunode_protocol::job::{
     check_relative_path, BlobHash, BlobRef, JobFile, JobOutcome, JobRefusal, JobReport, JobSubmit,
-    ProviderMsg, RequesterMsg, JOB_VERSION, MAX_INPUT_FILES,
+    ProviderMsg, RequesterMsg, JOB_VERSION, MAX_INPUT_FILES, MAX_MESSAGE_BYTES,
 };
 use gpunode_protocol::lease::LeaseId;
 use gpunode_protocol::time::now_ms;
@@ -223,6 +223,22 @@ struct Prepared {
     inputs: Vec<LocalFile>,
 }
 
+impl Prepared {
+    /// What the provider is sent for this job under `lease_id`.
+    fn submit(&self, req: &JobRequest, lease_id: LeaseId) -> JobSubmit {
+        JobSubmit {
+            version: JOB_VERSION,
+            lease_id,
+            module: self.module_blob,
+            inputs: self.inputs.iter().map(|f| f.file.clone()).collect(),
+            args: req.args.clone(),
+            env: req.env.clone(),
+            timeout_ms: req.timeout_ms,
+            fuel: req.fuel,
+        }
+    }
+}
+
 /// How one attempt ended.
 enum Attempt {
     Done(JobReport),
@@ -380,11 +396,21 @@ impl NodeHandle {
                 )));
             }
         }
-        Ok(Prepared {
+        let prepared = Prepared {
             module,
             module_blob,
             inputs,
-        })
+        };
+        let size = gpunode_protocol::encoding::encode(&RequesterMsg::Submit(
+            prepared.submit(req, LeaseId([0; 16])),
+        ))
+        .len();
+        if size > MAX_MESSAGE_BYTES {
+            return Err(JobError::Invalid(format!(
+                "the job's description (input names, arguments, environment) takes {size} bytes; at most {MAX_MESSAGE_BYTES} fit: pack the inputs into an archive"
+            )));
+        }
+        Ok(prepared)
     }
 
     async fn attempt(
@@ -411,16 +437,7 @@ impl NodeHandle {
                 Err(_) => return Attempt::Retry("opening a job stream timed out".into()),
             };
         let (mut r, mut w) = AsyncReadExt::split(stream);
-        let submit = JobSubmit {
-            version: JOB_VERSION,
-            lease_id,
-            module: prepared.module_blob,
-            inputs: prepared.inputs.iter().map(|f| f.file.clone()).collect(),
-            args: req.args.clone(),
-            env: req.env.clone(),
-            timeout_ms: req.timeout_ms,
-            fuel: req.fuel,
-        };
+        let submit = prepared.submit(req, lease_id);
         let lost = |e: std::io::Error| Attempt::Retry(format!("the provider went away: {e}"));
         if let Err(e) = wire::write_message(&mut w, &RequesterMsg::Submit(submit)).await {
             return lost(e);
