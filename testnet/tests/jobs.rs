@@ -29,6 +29,22 @@ async fn network(providers: usize) -> TestNet {
     TestNet::start(config).await.expect("start")
 }
 
+/// Submits `spin.wat forever` and waits until it runs; returns the job and the event
+/// position after its start.
+async fn start_spinning_forever(
+    client: &testnet::TestNode,
+    dir: &std::path::Path,
+) -> (gpunode_node::jobs::JobView, usize) {
+    let mut req = request(task("spin.wat"), dir);
+    req.args = vec!["forever".into()];
+    let view = client.handle.submit_job(req);
+    let mut from = 0;
+    until_started(&client.handle, &view.job_id, &mut from)
+        .await
+        .expect("the job starts");
+    (view, from)
+}
+
 /// A client that already sees every provider's offer.
 async fn client_of(net: &TestNet) -> testnet::TestNode {
     let client = net.client().await.expect("client");
@@ -98,12 +114,22 @@ async fn outputs_come_back_byte_for_byte_and_nothing_is_sent_twice() {
     assert_eq!(provider.handle.metrics().job_bytes_received.get(), received);
     assert!(provider.handle.metrics().job_bytes_cached.get() >= data.len() as u64);
     assert!(again.module_cached);
-    // Each finished job gave its lease back.
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let leases = provider.handle.list_leases().await.unwrap();
-    assert!(leases
-        .iter()
-        .all(|l| l.state != gpunode_node::lease::LeaseState::Active));
+    // Each finished job gave its lease back (the requester cancels it right after).
+    let deadline = tokio::time::Instant::now() + LONG;
+    loop {
+        let leases = provider.handle.list_leases().await.unwrap();
+        if leases
+            .iter()
+            .all(|l| l.state != gpunode_node::lease::LeaseState::Active)
+        {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "leases still active: {leases:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     net.shutdown().await;
 }
 
@@ -155,13 +181,7 @@ async fn the_job_stops_when_its_lease_ends() {
     let net = network(1).await;
     let client = client_of(&net).await;
     let dir = tempfile::tempdir().unwrap();
-    let mut req = request(task("spin.wat"), dir.path());
-    req.args = vec!["forever".into()];
-    let view = client.handle.submit_job(req);
-    let mut from = 0;
-    until_started(&client.handle, &view.job_id, &mut from)
-        .await
-        .unwrap();
+    let (view, mut from) = start_spinning_forever(&client, dir.path()).await;
     let provider = &net.nodes[0];
     assert_eq!(provider.handle.metrics().jobs_running.get(), 1);
     let lease = client
@@ -195,13 +215,7 @@ async fn the_job_stops_when_its_lease_ends() {
     assert_eq!(left, 0, "job directory cleaned up");
 
     // A user's cancel works the same way.
-    let mut req = request(task("spin.wat"), dir.path());
-    req.args = vec!["forever".into()];
-    let view = client.handle.submit_job(req);
-    let mut from = 0;
-    until_started(&client.handle, &view.job_id, &mut from)
-        .await
-        .unwrap();
+    let (view, mut from) = start_spinning_forever(&client, dir.path()).await;
     client.handle.cancel_job(&view.job_id[..6]).unwrap();
     let rest = until_end(&client.handle, &view.job_id, &mut from)
         .await

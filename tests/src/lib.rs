@@ -72,6 +72,15 @@ pub fn workspace_file(rel: &str) -> PathBuf {
         .join(rel)
 }
 
+/// A UDP port on 127.0.0.1 that was free a moment ago (for `--listen .../quic-v1`).
+pub fn free_udp_port() -> u16 {
+    std::net::UdpSocket::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port()
+}
+
 /// Runs `gpunode --data-dir DIR ARGS...` to completion.
 pub fn gpunode(data_dir: &std::path::Path, args: &[&str]) -> Output {
     Command::new(gpunode_bin())

@@ -3,17 +3,9 @@
 
 use std::time::Duration;
 
-use gpunode_e2e::{gpunode, gpunode_bin, stderr, stdout};
+use gpunode_e2e::{free_udp_port, gpunode, gpunode_bin, stderr, stdout};
 use serde_json::Value;
 use testnet::process::{ServeProcess, SIGINT, SIGKILL};
-
-fn free_udp_port() -> u16 {
-    std::net::UdpSocket::bind("127.0.0.1:0")
-        .expect("bind")
-        .local_addr()
-        .expect("addr")
-        .port()
-}
 
 fn leases(dir: &std::path::Path) -> Vec<Value> {
     let out = gpunode(dir, &["leases", "--json"]);

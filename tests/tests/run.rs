@@ -4,17 +4,11 @@
 
 use std::time::Duration;
 
-use gpunode_e2e::{example_checksum_wasm, gpunode, gpunode_bin, stderr, stdout, workspace_file};
+use gpunode_e2e::{
+    example_checksum_wasm, free_udp_port, gpunode, gpunode_bin, stderr, stdout, workspace_file,
+};
 use serde_json::Value;
 use testnet::process::{ServeProcess, SIGINT, SIGKILL};
-
-fn free_udp_port() -> u16 {
-    std::net::UdpSocket::bind("127.0.0.1:0")
-        .expect("bind")
-        .local_addr()
-        .expect("addr")
-        .port()
-}
 
 fn sha256_hex(data: &[u8]) -> String {
     // The expected digests come from the system's sha256sum, not from our own code.
