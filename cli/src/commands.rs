@@ -39,6 +39,8 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
         Command::Jobs(args) => crate::jobs::jobs(data_dir, args.json).await,
         Command::Logs(args) => crate::jobs::logs(data_dir, args).await,
         Command::Cancel(args) => crate::jobs::cancel(data_dir, args).await,
+        Command::Ledger(args) => crate::ledger::ledger(data_dir, config, args).await,
+        Command::Peers(args) => crate::ledger::peers(data_dir, config, args.json).await,
         Command::Id => {
             let key = data_dir.load_or_create_identity()?;
             println!("{}", key.public().to_peer_id());
@@ -396,21 +398,26 @@ async fn lease_cancel(
     Ok(ExitCode::SUCCESS)
 }
 
+/// Starts this node's identity and store without any network (no bootstrap, no mDNS),
+/// for commands that only read local state while no daemon runs.
+pub(crate) async fn offline_node(data_dir: DataDir, config: NodeConfig) -> Result<Node> {
+    let mut config = config;
+    config.bootstrap.clear();
+    config.mdns = false;
+    let mut opts = NodeOptions::new(config, data_dir, Role::Client);
+    opts.serve_api = false;
+    opts.inventory = Some(Arc::new(gpunode_node::inventory::NoGpus));
+    Node::start(opts)
+        .await
+        .context("cannot open this node's store")
+}
+
 async fn leases(data_dir: DataDir, config: NodeConfig, args: LeasesArgs) -> Result<ExitCode> {
     let client = ApiClient::new(&data_dir.api_socket());
     let views: Vec<LeaseView> = if client.is_running().await {
         client.get_json("/v1/leases").await?
     } else {
-        // No network needed: read the book from the store through a node that stays offline.
-        let mut config = config;
-        config.bootstrap.clear();
-        config.mdns = false;
-        let mut opts = NodeOptions::new(config, data_dir, Role::Client);
-        opts.serve_api = false;
-        opts.inventory = Some(Arc::new(gpunode_node::inventory::NoGpus));
-        let node = Node::start(opts)
-            .await
-            .context("cannot open this node's store")?;
+        let node = offline_node(data_dir, config).await?;
         let r = node.handle().list_leases().await;
         node.shutdown().await;
         r?

@@ -126,6 +126,7 @@ fn job_request(args: &RunArgs) -> Result<JobRequest> {
         peer: args.peer.clone(),
         retries: args.retries,
         fuel: args.fuel,
+        replicas: args.replicas,
     })
 }
 
@@ -172,7 +173,7 @@ pub async fn run(data_dir: DataDir, mut config: NodeConfig, args: RunArgs) -> Re
 }
 
 enum End {
-    Finished(JobSummary),
+    Finished(Box<JobSummary>),
     Failed(String),
 }
 
@@ -282,7 +283,7 @@ async fn follow(
                         output::short_peer(&provider)
                     )?;
                 }
-                JobEvent::Finished { summary } => end = Some(End::Finished(summary)),
+                JobEvent::Finished { summary } => end = Some(End::Finished(Box::new(summary))),
                 JobEvent::Failed { error } => end = Some(End::Failed(error)),
                 _ => {}
             }
@@ -327,13 +328,38 @@ fn summary_line(job_id: &str, s: &JobSummary) -> String {
     } else {
         String::new()
     };
-    format!(
-        "gpunode: job {job_id} {} on {} in {:.2}s{retries}, cost {} credits{outputs}",
+    let receipt = match s.receipt.as_str() {
+        "settled" | "" => String::new(),
+        "pending" => " (estimate: receipt pending)".to_string(),
+        other => format!(" (estimate: {other})"),
+    };
+    let mut line = format!(
+        "gpunode: job {job_id} {} on {} in {:.2}s{retries}, cost {} credits{receipt}{outputs}",
         outcome_words(&s.outcome),
         output::short_peer(&s.provider),
         s.wall_ms as f64 / 1000.0,
         format_credits(s.cost)
-    )
+    );
+    if !s.replicas.is_empty() {
+        let agree = s.replicas.iter().filter(|r| r.agrees).count();
+        if agree == s.replicas.len() {
+            line.push_str(&format!(
+                "\ngpunode: {} replicas agree (outputs {})",
+                agree,
+                &s.output_digest[..s.output_digest.len().min(16)]
+            ));
+        } else {
+            for r in s.replicas.iter().filter(|r| !r.agrees) {
+                line.push_str(&format!(
+                    "\ngpunode: replica mismatch: provider {} returned different outputs; {} of {} replicas agree on the result kept",
+                    output::short_peer(&r.provider),
+                    agree,
+                    s.replicas.len()
+                ));
+            }
+        }
+    }
+    line
 }
 
 /// Credits with enough digits to show small amounts (a second on one GPU).

@@ -7,6 +7,7 @@
 
 mod commands;
 mod jobs;
+mod ledger;
 mod output;
 
 use std::path::PathBuf;
@@ -53,6 +54,46 @@ enum Command {
     Logs(LogsArgs),
     /// Stop a running job.
     Cancel(JobArgs),
+    /// Credits: balance, balance with each peer, recent entries; verify or export the
+    /// hash-chained ledger.
+    Ledger(LedgerArgs),
+    /// Known peers with reputation, jobs done for us, failures, disputes and balance.
+    Peers(PeersArgs),
+}
+
+#[derive(Debug, Args)]
+struct LedgerArgs {
+    #[command(subcommand)]
+    action: Option<LedgerAction>,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    json: bool,
+    /// How many recent entries to show.
+    #[arg(long, value_name = "N", default_value_t = 10)]
+    recent: usize,
+}
+
+#[derive(Debug, Subcommand)]
+enum LedgerAction {
+    /// Check the whole chain and every signature; names the first bad entry.
+    Verify {
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Write every entry to stdout.
+    Export {
+        /// csv or json.
+        #[arg(long, value_name = "FORMAT", default_value = "csv")]
+        format: String,
+    },
+}
+
+#[derive(Debug, Args)]
+struct PeersArgs {
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Debug, Args)]
@@ -98,6 +139,10 @@ struct RunArgs {
     /// Instruction budget (deterministic metering; slower).
     #[arg(long, value_name = "UNITS")]
     fuel: Option<u64>,
+    /// Run on N different providers and compare outputs; a disagreement is broken by
+    /// one more run and costs the odd one out reputation (deterministic tasks only).
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=5))]
+    replicas: u32,
     /// Submit to the daemon, print the job id and return.
     #[arg(long)]
     detach: bool,

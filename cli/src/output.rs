@@ -412,6 +412,8 @@ mod tests {
             issued_at_ms: 0,
             expires_at_ms: 1,
             listen_addrs: vec![],
+            rtt_ms: None,
+            reputation: None,
         };
         assert_eq!(
             gpu_summary(&offer),

@@ -96,6 +96,13 @@ pub struct NodeConfig {
     /// Largest module plus inputs, and largest outputs, of one job, e.g. `4G`.
     #[serde(deserialize_with = "de_bytes")]
     pub max_job_bytes: u64,
+    /// Credits a peer may use here before it has given anything back (mutual credit).
+    pub allowance: f64,
+    /// How far past its allowance a peer may go into debt here before it is refused.
+    pub debt_limit: f64,
+    /// Peers whose reputation here is below this (0 to 1; unknown peers are 0.5) are
+    /// refused leases.
+    pub min_reputation: f64,
 }
 
 impl Default for NodeConfig {
@@ -128,6 +135,9 @@ impl Default for NodeConfig {
             deny_peers: Vec::new(),
             blob_cache: 10 << 30,
             max_job_bytes: 4 << 30,
+            allowance: 100.0,
+            debt_limit: 0.0,
+            min_reputation: 0.2,
         }
     }
 }
@@ -198,6 +208,22 @@ impl NodeConfig {
             return Err(ConfigError::Invalid(format!(
                 "blob_cache ({} bytes) must be at least max_job_bytes ({} bytes): a job's inputs are kept there while it runs",
                 self.blob_cache, self.max_job_bytes
+            )));
+        }
+        for (name, v) in [
+            ("allowance", self.allowance),
+            ("debt_limit", self.debt_limit),
+        ] {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(ConfigError::Invalid(format!(
+                    "{name} must be a non-negative number of credits, not {v}"
+                )));
+            }
+        }
+        if !(0.0..=1.0).contains(&self.min_reputation) {
+            return Err(ConfigError::Invalid(format!(
+                "min_reputation must be between 0 and 1 (unknown peers score 0.5), not {}",
+                self.min_reputation
             )));
         }
         if let Some(spec) = &self.simulate_gpus {
@@ -331,6 +357,15 @@ mod tests {
             .unwrap_err()
             .contains("peer id"));
         assert!(NodeConfig::parse("offer_window = \"1h\"").is_err());
+        assert!(NodeConfig::parse("allowance = -5.0")
+            .unwrap_err()
+            .contains("allowance"));
+        assert!(NodeConfig::parse("debt_limit = nan")
+            .unwrap_err()
+            .contains("debt_limit"));
+        assert!(NodeConfig::parse("min_reputation = 2.0")
+            .unwrap_err()
+            .contains("min_reputation"));
         assert!(NodeConfig::parse("max_job_bytes = \"10\"")
             .unwrap_err()
             .contains("max_job_bytes"));

@@ -16,6 +16,7 @@ mod event_loop;
 pub mod inventory;
 pub mod jobs;
 pub mod lease;
+pub mod ledger;
 pub mod metrics;
 pub mod network;
 pub mod store;
@@ -34,6 +35,7 @@ pub use data_dir::DataDir;
 use event_loop::{Command, EventLoop, LoopParts};
 use inventory::{GpuInventory, InventorySnapshot};
 pub use lease::negotiate::LeaseError;
+pub use ledger::settle::{Accounts, Misbehaviour};
 pub use metrics::Metrics;
 use store::Store;
 pub use views::{CancelOutcome, LeaseSpec, LeaseView, NodeStatus, OfferSearch, OfferView};
@@ -65,6 +67,8 @@ pub struct NodeOptions {
     /// answer `gpunode_sandbox::wasm::worker::WORKER_ARG`); `None` runs guests on
     /// threads of this process with epoch interruption.
     pub wasm_worker: Option<std::path::PathBuf>,
+    /// Cheating switches, for test networks that check cheats are caught.
+    pub misbehaviour: Misbehaviour,
 }
 
 impl NodeOptions {
@@ -78,6 +82,7 @@ impl NodeOptions {
             serve_api: role == Role::Provider,
             ephemeral_store: false,
             wasm_worker: None,
+            misbehaviour: Misbehaviour::default(),
         }
     }
 }
@@ -117,6 +122,9 @@ pub enum NodeError {
     /// A job stream could not be opened.
     #[error("{0}")]
     Job(String),
+    /// The ledger could not be opened.
+    #[error(transparent)]
+    Ledger(#[from] ledger::LedgerError),
     /// The node has stopped.
     #[error("the node has stopped")]
     Stopped,
@@ -130,6 +138,7 @@ pub struct NodeHandle {
     commands: mpsc::Sender<Command>,
     metrics: Arc<Metrics>,
     jobs: Arc<JobsContext>,
+    accounts: Arc<Accounts>,
 }
 
 /// What the job side of a node shares: streams, the sandbox, this user's jobs.
@@ -154,6 +163,11 @@ impl NodeHandle {
     /// The node's metrics.
     pub fn metrics(&self) -> &Arc<Metrics> {
         &self.metrics
+    }
+
+    /// The node's ledger, reputation and usage meters.
+    pub fn accounts(&self) -> &Arc<Accounts> {
+        &self.accounts
     }
 
     async fn ask<T>(
@@ -212,12 +226,34 @@ impl NodeHandle {
     /// Opens a raw stream of the job protocol to `peer` (for tools and tests that speak
     /// the protocol themselves; jobs normally go through [`NodeHandle::submit_job`]).
     pub async fn open_job_stream(&self, peer: PeerId) -> Result<libp2p::Stream, NodeError> {
+        self.open_stream(peer, jobs::JOB_PROTOCOL).await
+    }
+
+    /// Opens a stream of `protocol` to `peer`.
+    pub async fn open_stream(
+        &self,
+        peer: PeerId,
+        protocol: libp2p::StreamProtocol,
+    ) -> Result<libp2p::Stream, NodeError> {
         self.jobs
             .control
             .clone()
-            .open_stream(peer, jobs::JOB_PROTOCOL)
+            .open_stream(peer, protocol.clone())
             .await
-            .map_err(|e| NodeError::Job(format!("cannot open a job stream: {e}")))
+            .map_err(|e| NodeError::Job(format!("cannot open a {protocol} stream: {e}")))
+    }
+
+    /// These leases by id (`None` where unknown), in order, in one trip to the loop.
+    pub async fn leases_by_id(
+        &self,
+        ids: Vec<gpunode_protocol::lease::LeaseId>,
+    ) -> Result<Vec<Option<lease::LeaseRecord>>, NodeError> {
+        self.ask(|reply| Command::GetLeases { ids, reply }).await
+    }
+
+    /// Every lease this node knows, with its signatures.
+    pub async fn list_lease_records(&self) -> Result<Vec<lease::LeaseRecord>, NodeError> {
+        self.ask(Command::ListLeases).await
     }
 
     /// This user's jobs, newest first.
@@ -302,6 +338,16 @@ impl Node {
         } else {
             Store::open(&opts.data_dir.store_dir())?
         };
+        let (accounts, ledger_writer) = Accounts::open(
+            store.clone(),
+            keypair.clone(),
+            ledger::settle::CreditPolicy {
+                allowance_millicredits: (config.allowance * 1000.0).round() as u64,
+                debt_limit_millicredits: (config.debt_limit * 1000.0).round() as u64,
+                min_reputation: config.min_reputation,
+            },
+            opts.misbehaviour,
+        )?;
         let inventory: Arc<dyn GpuInventory> = match opts.inventory {
             Some(inv) => inv,
             None if opts.role == Role::Client => Arc::new(inventory::NoGpus),
@@ -362,6 +408,7 @@ impl Node {
                 executor: executor.clone(),
                 table: jobs::table::JobTable::default(),
             }),
+            accounts: accounts.clone(),
         };
         let lease_jobs = jobs::LeaseJobs::default();
         let (stop_tasks, stop_rx) = watch::channel(false);
@@ -391,6 +438,24 @@ impl Node {
 
         event_loop::dial_bootstrap(&mut swarm, &config.bootstrap);
 
+        tasks.push(tokio::spawn(ledger_writer.run(stop_rx.clone())));
+        let settle_incoming = control
+            .accept(ledger::settle::SETTLE_PROTOCOL)
+            .map_err(|e| NodeError::Job(e.to_string()))?;
+        tasks.push(tokio::spawn(ledger::settle::serve_claims(
+            accounts.clone(),
+            handle.clone(),
+            settle_incoming,
+            stop_rx.clone(),
+        )));
+        let (ended_tx, ended_rx) = mpsc::channel(8192);
+        tasks.push(tokio::spawn(ledger::settle::run_claims(
+            accounts.clone(),
+            handle.clone(),
+            ended_rx,
+            stop_rx.clone(),
+        )));
+
         if opts.role == Role::Provider {
             let incoming = control
                 .accept(jobs::JOB_PROTOCOL)
@@ -409,7 +474,7 @@ impl Node {
                 blobs: Arc::new(blobs),
                 jobs_dir: opts.data_dir.jobs_dir(),
                 lease_jobs: lease_jobs.clone(),
-                slots: Arc::new(tokio::sync::Semaphore::new(cores as usize)),
+                slots: jobs::slots::Slots::new(cores),
                 total_slots: cores,
                 max_job_bytes: config.max_job_bytes,
             });
@@ -473,6 +538,8 @@ impl Node {
             offer,
             leases,
             lease_jobs: lease_jobs.clone(),
+            accounts,
+            ended_leases: ended_tx,
         });
         let event_loop = tokio::spawn(event_loop.run());
         Ok(Node {

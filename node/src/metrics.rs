@@ -41,6 +41,10 @@ pub struct Metrics {
     pub job_bytes_received: Counter,
     /// Blob bytes found in the cache instead of being sent again.
     pub job_bytes_cached: Counter,
+    /// Receipts settled (written to the ledger with both signatures).
+    pub receipts_settled: Counter,
+    /// Receipts refused, by reason (`inflated`, `duplicate`, `bad_signature`, ...).
+    pub receipts_rejected: Family<Vec<(String, String)>, Counter>,
 }
 
 impl Metrics {
@@ -127,7 +131,21 @@ impl Metrics {
             "Module and input bytes found in the blob cache instead of sent again",
             job_bytes_cached.clone(),
         );
+        let receipts_settled = Counter::default();
+        let receipts_rejected = Family::<Vec<(String, String)>, Counter>::default();
+        registry.register(
+            "receipts_settled",
+            "Usage receipts settled into the ledger",
+            receipts_settled.clone(),
+        );
+        registry.register(
+            "receipts_rejected",
+            "Usage receipts refused, by reason",
+            receipts_rejected.clone(),
+        );
         Arc::new(Metrics {
+            receipts_settled,
+            receipts_rejected,
             jobs_run,
             jobs_rejected,
             jobs_running,
@@ -170,6 +188,20 @@ impl Metrics {
     /// How many jobs were refused for `reason`.
     pub fn job_rejected_count(&self, reason: &str) -> u64 {
         self.jobs_rejected
+            .get_or_create(&vec![("reason".to_string(), reason.to_string())])
+            .get()
+    }
+
+    /// Counts a refused receipt under `reason`.
+    pub fn receipt_rejected(&self, reason: &str) {
+        self.receipts_rejected
+            .get_or_create(&vec![("reason".to_string(), reason.to_string())])
+            .inc();
+    }
+
+    /// How many receipts were refused for `reason`.
+    pub fn receipt_rejected_count(&self, reason: &str) -> u64 {
+        self.receipts_rejected
             .get_or_create(&vec![("reason".to_string(), reason.to_string())])
             .get()
     }

@@ -25,6 +25,9 @@ pub enum StoreError {
     },
 }
 
+/// How long opening waits for a lock that a store closed just before may still hold.
+const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// A key and its value.
 pub type Entry = (Vec<u8>, Vec<u8>);
 
@@ -44,6 +47,20 @@ impl std::fmt::Debug for Store {
 impl Store {
     /// Opens (or creates) the store in `path`.
     pub fn open(path: &Path) -> Result<Store, StoreError> {
+        // A store closed a moment ago may still be locked while sled's background flusher
+        // lets go of it: wait for that, briefly, before calling it in use.
+        let deadline = std::time::Instant::now() + LOCK_WAIT;
+        loop {
+            match Store::open_once(path) {
+                Err(StoreError::Locked { .. }) if std::time::Instant::now() < deadline => {
+                    std::thread::sleep(std::time::Duration::from_millis(50));
+                }
+                other => return other,
+            }
+        }
+    }
+
+    fn open_once(path: &Path) -> Result<Store, StoreError> {
         let db = sled::Config::new()
             .path(path)
             .cache_capacity(16 * 1024 * 1024)
@@ -148,6 +165,54 @@ impl Store {
             .unwrap_or(floor);
         t.flush().map_err(|e| self.io(e))?;
         Ok(new)
+    }
+
+    /// Applies every write and removal in `ops` to `tree` atomically (all or none, also
+    /// across a crash), then flushes before returning.
+    pub fn apply_durable(
+        &self,
+        tree: &str,
+        ops: Vec<(Vec<u8>, Option<Vec<u8>>)>,
+    ) -> Result<(), StoreError> {
+        let t = self.db.open_tree(tree).map_err(|e| self.io(e))?;
+        let mut batch = sled::Batch::default();
+        for (k, v) in ops {
+            match v {
+                Some(v) => batch.insert(k, v),
+                None => batch.remove(k),
+            }
+        }
+        t.apply_batch(batch).map_err(|e| self.io(e))?;
+        t.flush().map_err(|e| self.io(e))?;
+        Ok(())
+    }
+
+    /// Keys and values of `tree` whose key starts with `prefix`, in key order, read
+    /// lazily (for trees too large to hold in memory).
+    pub fn iter_prefix(
+        &self,
+        tree: &str,
+        prefix: &[u8],
+    ) -> Result<impl Iterator<Item = Result<Entry, StoreError>> + use<>, StoreError> {
+        let t = self.db.open_tree(tree).map_err(|e| self.io(e))?;
+        let path = self.path.clone();
+        Ok(t.scan_prefix(prefix).map(move |r| {
+            r.map(|(k, v)| (k.to_vec(), v.to_vec()))
+                .map_err(|e| StoreError::Io {
+                    path: path.clone(),
+                    message: e.to_string(),
+                })
+        }))
+    }
+
+    /// The last key and value of `tree` under `prefix`, if any.
+    pub fn last_with_prefix(&self, tree: &str, prefix: &[u8]) -> Result<Option<Entry>, StoreError> {
+        let t = self.db.open_tree(tree).map_err(|e| self.io(e))?;
+        t.scan_prefix(prefix)
+            .next_back()
+            .transpose()
+            .map(|o| o.map(|(k, v)| (k.to_vec(), v.to_vec())))
+            .map_err(|e| self.io(e))
     }
 
     /// Flushes everything to disk.

@@ -32,6 +32,12 @@ pub struct OfferView {
     pub expires_at_ms: UnixMillis,
     /// Where the provider listens.
     pub listen_addrs: Vec<String>,
+    /// Last measured round trip to the provider (ping), ms, when connected.
+    #[serde(default)]
+    pub rtt_ms: Option<f64>,
+    /// Its reputation with us (0 to 1; 0.5 when unknown).
+    #[serde(default)]
+    pub reputation: Option<f64>,
 }
 
 impl From<&Advert> for OfferView {
@@ -48,6 +54,8 @@ impl From<&Advert> for OfferView {
             issued_at_ms: a.issued_at_ms,
             expires_at_ms: a.expires_at_ms,
             listen_addrs: a.listen_addrs.clone(),
+            rtt_ms: None,
+            reputation: None,
         }
     }
 }

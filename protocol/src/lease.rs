@@ -292,6 +292,10 @@ pub enum RejectCode {
     WrongState,
     /// The request itself is invalid (zero duration, unsupported version, ...).
     InvalidRequest,
+    /// The requester owes this provider more than its allowance and debt limit allow.
+    DebtLimit,
+    /// The requester's reputation with this provider is too low.
+    LowReputation,
 }
 
 impl RejectCode {
@@ -315,6 +319,8 @@ impl RejectCode {
             RejectCode::Oversized => "oversized",
             RejectCode::WrongState => "wrong_state",
             RejectCode::InvalidRequest => "invalid_request",
+            RejectCode::DebtLimit => "debt_limit",
+            RejectCode::LowReputation => "low_reputation",
         }
     }
 }

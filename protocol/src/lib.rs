@@ -9,6 +9,7 @@ pub mod encoding;
 pub mod gpu;
 pub mod job;
 pub mod lease;
+pub mod receipt;
 pub mod signing;
 pub mod time;
 pub mod units;

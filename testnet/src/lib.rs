@@ -8,6 +8,7 @@
 pub mod bench;
 pub mod bench_jobs;
 pub mod jobs;
+pub mod ledger;
 pub mod process;
 
 use std::sync::Arc;
@@ -15,7 +16,9 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use gpunode_node::inventory::SimulatedGpus;
-use gpunode_node::{DataDir, Node, NodeConfig, NodeHandle, NodeOptions, OfferView, Role};
+use gpunode_node::{
+    DataDir, Misbehaviour, Node, NodeConfig, NodeHandle, NodeOptions, OfferView, Role,
+};
 use gpunode_protocol::advert::OfferFilter;
 use tempfile::TempDir;
 
@@ -54,6 +57,8 @@ pub struct TestNetConfig {
     pub batch: usize,
     /// Adjusts node `i`'s config before it starts (price, policy, ...).
     pub tweak: Option<fn(usize, &mut NodeConfig)>,
+    /// Makes node `i` cheat (lie about usage, corrupt outputs), to test that it is caught.
+    pub misbehaviour: Option<fn(usize) -> Misbehaviour>,
 }
 
 impl TestNetConfig {
@@ -67,6 +72,7 @@ impl TestNetConfig {
             ephemeral_store: false,
             batch: 20,
             tweak: None,
+            misbehaviour: None,
         }
     }
 }
@@ -166,6 +172,9 @@ pub async fn start_node_in(
     let mut opts = NodeOptions::new(config, data_dir, Role::Provider);
     opts.serve_api = false;
     opts.ephemeral_store = cfg.ephemeral_store;
+    if let Some(m) = cfg.misbehaviour {
+        opts.misbehaviour = m(index);
+    }
     opts.inventory = Some(match &gpus {
         Some(g) => Arc::new(g.clone()),
         None => Arc::new(gpunode_node::inventory::NoGpus),
@@ -235,8 +244,17 @@ impl TestNet {
         &self.config
     }
 
-    /// A client node (advertises nothing) bootstrapped to node 0.
+    /// A client node (advertises nothing) bootstrapped to node 0, its store in memory.
     pub async fn client(&self) -> Result<TestNode> {
+        self.client_node(true).await
+    }
+
+    /// A client node whose store is on disk (durable writes, as in production).
+    pub async fn client_with_store(&self) -> Result<TestNode> {
+        self.client_node(false).await
+    }
+
+    async fn client_node(&self, ephemeral: bool) -> Result<TestNode> {
         let dir = tempfile::Builder::new()
             .prefix("gpunode-client")
             .tempdir()?;
@@ -248,7 +266,7 @@ impl TestNet {
         let config = node_config(&self.config, None, &bootstrap)?;
         let mut opts = NodeOptions::new(config, DataDir::new(dir.path()), Role::Client);
         opts.serve_api = false;
-        opts.ephemeral_store = true;
+        opts.ephemeral_store = ephemeral;
         let node = Node::start(opts).await?;
         let handle = node.handle();
         handle

@@ -97,6 +97,11 @@ fn invalid_config_names_key_and_line() {
     assert_eq!(out.status.code(), Some(2));
     assert!(stderr(&out).contains("line 2"), "{}", stderr(&out));
 
+    fs::write(&cfg, "mdns = false\ndebt_limit = -3.0\n").expect("write");
+    let out = gpunode(&d, &["--config", cfg.to_str().expect("utf8"), "serve"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr(&out).contains("debt_limit"), "{}", stderr(&out));
+
     let out = gpunode(&d, &["--config", "/nonexistent/gpunode.toml", "serve"]);
     assert_eq!(out.status.code(), Some(2));
     assert!(stderr(&out).contains("/nonexistent/gpunode.toml"));
@@ -149,13 +154,15 @@ fn bad_run_flags_and_task_files_are_refused_before_any_lease() {
     let task = tmp.path().join("t.wat");
     fs::write(&task, "(module (func (export \"_start\")))").expect("write");
     let task = task.to_str().expect("utf8");
-    let cases: [(&[&str], &str); 7] = [
+    let cases: [(&[&str], &str); 9] = [
         (&["run", task, "--env", "NOEQUALS"], "expected NAME=VALUE"),
         (&["run", task, "--env", "=v"], "the name is empty"),
         (&["run", task, "--timeout", "0s"], "--timeout"),
         (&["run", task, "--timeout", "soon"], "invalid --timeout"),
         (&["run", task, "--mem", "lots"], "invalid --mem"),
         (&["run", "/nonexistent/task.wasm"], "does not exist"),
+        (&["run", task, "--replicas", "0"], "--replicas"),
+        (&["run", task, "--replicas", "two"], "--replicas"),
         (
             &["run", "--detach", task],
             "--detach needs a running daemon",

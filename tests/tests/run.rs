@@ -4,11 +4,12 @@
 
 use std::time::Duration;
 
-use gpunode_e2e::{
-    example_checksum_wasm, free_udp_port, gpunode, gpunode_bin, stderr, stdout, workspace_file,
-};
+use gpunode_e2e::{example_checksum_wasm, gpunode, gpunode_bin, stderr, stdout, workspace_file};
 use serde_json::Value;
 use testnet::process::{ServeProcess, SIGINT, SIGKILL};
+
+mod common;
+use common::provider_and_requester;
 
 fn sha256_hex(data: &[u8]) -> String {
     // The expected digests come from the system's sha256sum, not from our own code.
@@ -30,16 +31,7 @@ fn run_ships_a_task_to_a_peer_and_brings_back_its_output() {
     let wasm = example_checksum_wasm();
     let tmp = tempfile::tempdir().expect("tmp");
     let bin = gpunode_bin();
-    let listen = format!("/ip4/127.0.0.1/udp/{}/quic-v1", free_udp_port());
-    let mut provider =
-        ServeProcess::start(&bin, &tmp.path().join("p"), &["--listen".into(), listen])
-            .expect("provider");
-    let mut requester = ServeProcess::start(
-        &bin,
-        &tmp.path().join("r"),
-        &["--bootstrap".into(), provider.addr.clone()],
-    )
-    .expect("requester");
+    let (mut provider, mut requester) = provider_and_requester(tmp.path());
 
     let inputs = tmp.path().join("photos");
     std::fs::create_dir_all(inputs.join("2026")).expect("mkdir");

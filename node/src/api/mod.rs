@@ -7,7 +7,8 @@
 //! `POST /v1/leases/{id}/renew` (`{"extend_ms": N}`), `POST /v1/leases/{id}/cancel`,
 //! `GET /v1/jobs`, `POST /v1/jobs` (a [`crate::jobs::JobRequest`]), `GET /v1/jobs/{id}`,
 //! `GET /v1/jobs/{id}/events?from=N&wait_ms=M` (long poll), `POST /v1/jobs/{id}/cancel`,
-//! `GET /metrics`.
+//! `GET /v1/ledger?recent=N`, `GET /v1/ledger/verify`, `GET /v1/ledger/export?format=csv|json`,
+//! `GET /v1/peers`, `GET /metrics`.
 
 mod client;
 
@@ -234,6 +235,51 @@ async fn job_events(
     }
 }
 
+/// Query of `GET /v1/ledger`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct LedgerQuery {
+    /// How many recent entries to include (default 20).
+    #[serde(default)]
+    pub recent: Option<usize>,
+}
+
+/// Query of `GET /v1/ledger/export`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct ExportQuery {
+    /// `csv` or `json`.
+    #[serde(default)]
+    pub format: Option<String>,
+}
+
+async fn ledger(State(node): State<NodeHandle>, Query(q): Query<LedgerQuery>) -> Response {
+    match node.ledger_view(q.recent.unwrap_or(20).min(10_000)) {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => ApiError500(e.to_string()).into_response(),
+    }
+}
+
+async fn verify_ledger(State(node): State<NodeHandle>) -> Response {
+    match node.verify_ledger().await {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => ApiError500(e.to_string()).into_response(),
+    }
+}
+
+async fn export_ledger(State(node): State<NodeHandle>, Query(q): Query<ExportQuery>) -> Response {
+    let format = match q.format.as_deref().unwrap_or("csv").parse() {
+        Ok(f) => f,
+        Err(m) => return (StatusCode::BAD_REQUEST, m).into_response(),
+    };
+    match node.export_ledger(format).await {
+        Ok(text) => text.into_response(),
+        Err(e) => ApiError500(e.to_string()).into_response(),
+    }
+}
+
+async fn peers(State(node): State<NodeHandle>) -> Json<Vec<crate::ledger::views::PeerView>> {
+    Json(node.peers_view())
+}
+
 async fn metrics_text(metrics: Arc<Metrics>) -> Response {
     (
         [(
@@ -262,6 +308,10 @@ pub async fn serve_unix(listener: UnixListener, node: NodeHandle, mut stop: watc
         .route("/v1/jobs/{id}", get(get_job))
         .route("/v1/jobs/{id}/events", get(job_events))
         .route("/v1/jobs/{id}/cancel", axum::routing::post(cancel_job))
+        .route("/v1/ledger", get(ledger))
+        .route("/v1/ledger/verify", get(verify_ledger))
+        .route("/v1/ledger/export", get(export_ledger))
+        .route("/v1/peers", get(peers))
         .route("/metrics", get(move || metrics_text(metrics.clone())))
         .with_state(node);
     let _ = axum::serve(listener, app)

@@ -197,7 +197,15 @@ impl EventLoop {
             .found
             .values()
             .filter(|a| a.expires_at_ms > now && a.matches(&find.filter))
-            .map(OfferView::from)
+            .map(|a| {
+                let mut o = OfferView::from(a);
+                o.rtt_ms = self
+                    .rtts
+                    .get(&a.publisher)
+                    .map(|d| d.as_secs_f64() * 1000.0);
+                o.reputation = Some(self.accounts.reputation.score(&a.publisher));
+                o
+            })
             .collect();
         offers.sort_by(|a, b| {
             a.price_per_gpu_hour

@@ -82,7 +82,14 @@ impl EventLoop {
             InboundLease::Invalid(r) => LeaseReply::Rejected(r),
             InboundLease::Message(LeaseMessage::Request(req)) => {
                 let id = LeaseId(rand::random());
-                match self.leases.on_request(&peer, &req, id, &self.keypair, now) {
+                let admitted = self.accounts.admit(
+                    &peer,
+                    self.leases.exposure(&peer),
+                    self.leases.max_amount_for(&req),
+                );
+                match admitted
+                    .and_then(|()| self.leases.on_request(&peer, &req, id, &self.keypair, now))
+                {
                     Ok((terms, provider_sig)) => LeaseReply::Offer {
                         terms,
                         provider_sig,
@@ -146,6 +153,14 @@ impl EventLoop {
     fn write_lease_changes(&mut self) -> Result<(), crate::store::StoreError> {
         let ended = persist::write_changes(&self.store, &mut self.leases)?;
         for id in ended {
+            if let Some(record) = self.leases.get(&id) {
+                if record.role == crate::lease::LeaseRole::Provider {
+                    if let Err(e) = self.ended_leases.try_send(record.clone()) {
+                        // The settlement task sweeps for ended leases it missed.
+                        tracing::debug!(lease = %id, "settlement queue full: {e}");
+                    }
+                }
+            }
             let stopped = self.lease_jobs.end_lease(&id);
             if stopped > 0 {
                 tracing::info!(lease = %id, "lease ended: stopped {stopped} job(s)");

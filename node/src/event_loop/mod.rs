@@ -101,6 +101,11 @@ pub(crate) enum Command {
         reply: oneshot::Sender<Result<LeaseRecord, String>>,
     },
     ListLeases(oneshot::Sender<Vec<LeaseRecord>>),
+    /// These leases by id (`None` where unknown), in order.
+    GetLeases {
+        ids: Vec<gpunode_protocol::lease::LeaseId>,
+        reply: oneshot::Sender<Vec<Option<LeaseRecord>>>,
+    },
     IsConnected {
         peer: PeerId,
         reply: oneshot::Sender<bool>,
@@ -141,6 +146,10 @@ pub(crate) struct EventLoop {
     lease_out: HashMap<OutboundRequestId, oneshot::Sender<Result<LeaseReply, String>>>,
     lease_replies: Vec<(ResponseChannel<LeaseReply>, LeaseReply)>,
     lease_jobs: crate::jobs::LeaseJobs,
+    accounts: Arc<crate::Accounts>,
+    ended_leases: mpsc::Sender<LeaseRecord>,
+    /// Last ping round trip per connected peer.
+    rtts: HashMap<PeerId, Duration>,
 }
 
 /// How the loop is set up.
@@ -158,6 +167,10 @@ pub(crate) struct LoopParts {
     pub leases: LeaseBook,
     /// Jobs running under each lease, stopped when it ends.
     pub lease_jobs: crate::jobs::LeaseJobs,
+    /// Ledger, reputation and credit rules (lease admission).
+    pub accounts: Arc<crate::Accounts>,
+    /// Leases we provided that ended, for settlement.
+    pub ended_leases: mpsc::Sender<LeaseRecord>,
 }
 
 impl EventLoop {
@@ -198,6 +211,9 @@ impl EventLoop {
             lease_out: HashMap::new(),
             lease_replies: Vec::new(),
             lease_jobs: parts.lease_jobs,
+            accounts: parts.accounts,
+            ended_leases: parts.ended_leases,
+            rtts: HashMap::new(),
         }
     }
 
@@ -292,6 +308,9 @@ impl EventLoop {
             }
             Command::IsConnected { peer, reply } => {
                 let _ = reply.send(self.connections.contains_key(&peer));
+            }
+            Command::GetLeases { ids, reply } => {
+                let _ = reply.send(ids.iter().map(|id| self.leases.get(id).cloned()).collect());
             }
             Command::ListLeases(reply) => {
                 let _ = reply.send(self.leases.all().into_iter().cloned().collect());
@@ -529,6 +548,7 @@ impl EventLoop {
             } => {
                 if num_established == 0 {
                     self.connections.remove(&peer_id);
+                    self.rtts.remove(&peer_id);
                 } else {
                     self.connections.insert(peer_id, num_established as usize);
                 }
@@ -559,6 +579,13 @@ impl EventLoop {
                             .dial(DialOpts::peer_id(peer).addresses(vec![addr]).build());
                     }
                 }
+            }
+            SwarmEvent::Behaviour(NodeBehaviourEvent::Ping(libp2p::ping::Event {
+                peer,
+                result: Ok(rtt),
+                ..
+            })) => {
+                self.rtts.insert(peer, rtt);
             }
             SwarmEvent::Behaviour(NodeBehaviourEvent::Kad(event)) => self.on_kad_event(event),
             SwarmEvent::Behaviour(NodeBehaviourEvent::Lease(event)) => self.on_lease_event(event),

@@ -15,9 +15,11 @@
 
 pub mod blobs;
 pub mod provider;
+mod replicas;
 pub mod requester;
+pub mod slots;
 pub mod table;
-mod wire;
+pub(crate) mod wire;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -26,7 +28,7 @@ use gpunode_protocol::lease::LeaseId;
 use gpunode_sandbox::wasm::CancelToken;
 use libp2p::StreamProtocol;
 
-pub use requester::{JobEvent, JobRequest, JobSummary};
+pub use requester::{JobEvent, JobRequest, JobSummary, ReplicaView};
 pub use table::{JobState, JobView};
 
 /// The job stream protocol.

@@ -15,10 +15,11 @@ use gpunode_protocol::job::{
     check_relative_path, BlobRef, JobFile, JobOutcome, JobRefusal, JobRejection, JobReport,
     JobSubmit, ProviderMsg, RequesterMsg, JOB_VERSION, MAX_INPUT_FILES, MAX_LOG_PIECE,
 };
+use gpunode_protocol::receipt::job_output_digest;
 use gpunode_protocol::time::now_ms;
 use gpunode_sandbox::wasm::{CancelToken, Limits, Outcome, RunSpec, WasmExecutor};
 use libp2p::{PeerId, Stream};
-use tokio::sync::{mpsc, watch, Semaphore};
+use tokio::sync::{mpsc, watch};
 
 use super::blobs::BlobCache;
 use super::wire::{self, Frame};
@@ -43,8 +44,9 @@ pub struct JobService {
     pub jobs_dir: PathBuf,
     /// Running jobs by lease.
     pub lease_jobs: LeaseJobs,
-    /// One permit per offered CPU core; a job holds as many as its lease has CPUs.
-    pub slots: Arc<Semaphore>,
+    /// One slot per offered CPU core; a job holds as many as its lease has CPUs, and
+    /// waiting jobs are served give-to-get.
+    pub slots: Arc<super::slots::Slots>,
     /// Permits in total.
     pub total_slots: u32,
     /// Cap on a job's inputs and on its outputs.
@@ -318,12 +320,8 @@ impl JobService {
         {
             cancel.cancel();
         }
-        let permits = self
-            .slots
-            .clone()
-            .acquire_many_owned(admitted.cpus)
-            .await
-            .map_err(std::io::Error::other)?;
+        let standing = self.node.accounts().standing(&peer);
+        let permits = self.slots.acquire(admitted.cpus, standing).await;
 
         let metrics = self.node.metrics().clone();
         metrics.jobs_running.inc();
@@ -391,12 +389,23 @@ impl JobService {
         };
         tracing::info!(%peer, lease = %submit.lease_id, ?outcome, run_ms, "job finished");
         self.node.metrics().job_run(outcome.label());
+        let accounts = self.node.accounts();
+        if accounts.misbehaviour.corrupt_outputs {
+            corrupt_outputs(&workdir.output())?;
+        }
         let outputs = list_outputs(&workdir.output()).await?;
+        let files: Vec<JobFile> = outputs.iter().map(|(f, _)| f.clone()).collect();
+        accounts.metered.add_job(
+            submit.lease_id,
+            run_ms,
+            outcome_status(&outcome),
+            Some(job_output_digest(&files)),
+        );
         let report = JobReport {
             outcome,
             run_ms,
             module_cached,
-            outputs: outputs.iter().map(|(f, _)| f.clone()).collect(),
+            outputs: files,
         };
         wire::write_message(w, &ProviderMsg::Finished(report)).await?;
         for (file, path) in &outputs {
@@ -512,6 +521,30 @@ fn wire_outcome(o: Outcome) -> JobOutcome {
         Outcome::OutputTooLarge(w) => JobOutcome::OutputTooLarge(w),
         Outcome::Cancelled => JobOutcome::Cancelled,
     }
+}
+
+/// How a job ended, in a receipt's words.
+pub fn outcome_status(outcome: &JobOutcome) -> String {
+    match outcome {
+        JobOutcome::Exited(code) => format!("exited {code}"),
+        other => other.label().to_string(),
+    }
+}
+
+/// Test networks' cheating provider: flips the first byte of every output file.
+fn corrupt_outputs(dir: &Path) -> std::io::Result<()> {
+    for entry in std::fs::read_dir(dir)? {
+        let path = entry?.path();
+        if path.is_file() {
+            let mut bytes = std::fs::read(&path)?;
+            match bytes.first_mut() {
+                Some(b) => *b ^= 0x20,
+                None => bytes.push(b'!'),
+            }
+            std::fs::write(&path, bytes)?;
+        }
+    }
+    Ok(())
 }
 
 /// Every regular file under `dir`, with its relative path and hash, sorted by path.

@@ -20,6 +20,8 @@ use tokio::sync::watch;
 
 use super::wire;
 use super::JOB_PROTOCOL;
+use crate::ledger::reputation::Outcome;
+use crate::ledger::settle::ReceiptStatus;
 use crate::{LeaseError, LeaseSpec, LeaseView, NodeHandle};
 
 /// How long after the task's timeout the lease runs, for transfers on both ends.
@@ -28,6 +30,13 @@ const LEASE_MARGIN_MS: u64 = 120_000;
 const OPEN_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long past its lease's end an attempt may still take before it is given up.
 const ATTEMPT_GRACE: Duration = Duration::from_secs(30);
+/// How long a finished job waits for its provider's receipt before reporting the cost
+/// as an estimate.
+const RECEIPT_WAIT: Duration = Duration::from_secs(10);
+/// Why an attempt ended when the provider went silent.
+const STOPPED_ANSWERING: &str = "the provider stopped answering";
+/// Why an attempt ended when the provider stopped the job unasked.
+const STOPPED_UNASKED: &str = "the provider stopped the job before it ended";
 /// How long a cancelled job may take to report back.
 const CANCEL_GRACE: Duration = Duration::from_secs(5);
 
@@ -73,6 +82,10 @@ pub struct JobRequest {
     /// Fuel budget (deterministic metering).
     #[serde(default)]
     pub fuel: Option<u64>,
+    /// Run on this many providers and compare outputs (deterministic tasks only);
+    /// 0 or 1 runs once.
+    #[serde(default)]
+    pub replicas: u32,
 }
 
 /// Something that happened to a job, in order.
@@ -168,8 +181,18 @@ pub struct JobSummary {
     pub wall_ms: u64,
     /// Time the task ran on the provider, ms.
     pub run_ms: u64,
-    /// Credits: price per GPU-hour × GPUs (at least one) × wall time.
+    /// Credits: the settled receipt's amount (the sum over replicas), or while a
+    /// receipt is not settled, price per GPU-hour × GPUs (at least one) × wall time.
     pub cost: f64,
+    /// Where the receipt stands: `settled`, `refused: REASON` or `pending`.
+    #[serde(default)]
+    pub receipt: String,
+    /// Digest of the outputs and exit status (hex), what replicas compare.
+    #[serde(default)]
+    pub output_digest: String,
+    /// With `--replicas`: each run, its provider, digest and whether it agreed.
+    #[serde(default)]
+    pub replicas: Vec<ReplicaView>,
     /// Where outputs were written.
     pub output_dir: PathBuf,
     /// Output files, relative to `output_dir`.
@@ -178,6 +201,17 @@ pub struct JobSummary {
     pub attempts: u32,
     /// Whether the provider had the compiled module cached.
     pub module_cached: bool,
+}
+
+/// One replica of a replicated job.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ReplicaView {
+    /// Who ran it.
+    pub provider: String,
+    /// Its output digest (hex).
+    pub output_digest: String,
+    /// Whether it agreed with the majority.
+    pub agrees: bool,
 }
 
 /// Exit code a shell sees for an outcome: the task's code when it exited (0..=255),
@@ -210,6 +244,16 @@ pub enum JobError {
     Cancelled,
 }
 
+/// What replicas compare: the outputs' digest and how the task ended, hex.
+fn replica_digest(report: &JobReport) -> String {
+    let mut h = blake3::Hasher::new();
+    h.update(&gpunode_protocol::receipt::job_output_digest(
+        &report.outputs,
+    ));
+    h.update(super::provider::outcome_status(&report.outcome).as_bytes());
+    h.finalize().to_hex().to_string()
+}
+
 /// One input file on this machine.
 struct LocalFile {
     file: JobFile,
@@ -217,7 +261,7 @@ struct LocalFile {
 }
 
 /// The job with everything hashed, ready to send to any provider.
-struct Prepared {
+pub(super) struct Prepared {
     module: Vec<u8>,
     module_blob: BlobRef,
     inputs: Vec<LocalFile>,
@@ -258,7 +302,24 @@ impl NodeHandle {
         mut cancel: watch::Receiver<bool>,
     ) -> Result<JobSummary, JobError> {
         let prepared = self.prepare(&req).await?;
-        let mut exclude: Vec<String> = Vec::new();
+        if req.replicas <= 1 {
+            return self
+                .run_once(&req, &prepared, events, &mut cancel, Vec::new())
+                .await;
+        }
+        self.run_replicated(&req, &prepared, events, &mut cancel)
+            .await
+    }
+
+    /// One run on one provider (retrying on others after failures), avoiding `exclude`.
+    pub(super) async fn run_once(
+        &self,
+        req: &JobRequest,
+        prepared: &Prepared,
+        events: &mut (dyn FnMut(JobEvent) + Send),
+        cancel: &mut watch::Receiver<bool>,
+        mut exclude: Vec<String>,
+    ) -> Result<JobSummary, JobError> {
         let mut attempt = 0;
         loop {
             attempt += 1;
@@ -299,10 +360,12 @@ impl NodeHandle {
                 Duration::from_millis(lease.end_ms.saturating_sub(now_ms())) + ATTEMPT_GRACE;
             let outcome = tokio::time::timeout(
                 watchdog,
-                self.attempt(&req, &prepared, &lease, events, &mut cancel),
+                self.attempt(req, prepared, &lease, events, cancel),
             )
             .await
-            .unwrap_or_else(|_| Attempt::Retry("the provider stopped answering".into()));
+            .unwrap_or_else(|_| Attempt::Retry(STOPPED_ANSWERING.into()));
+            let lease_key = lease.lease_id.parse::<LeaseId>().ok();
+            self.observe(lease_key, &lease.provider, &outcome, started.elapsed());
             // The job is over on this lease either way: release the provider's resources
             // (in the background, so a dead provider does not hold up the retry).
             let node = self.clone();
@@ -313,8 +376,22 @@ impl NodeHandle {
             match outcome {
                 Attempt::Done(report) => {
                     let wall_ms = started.elapsed().as_millis() as u64;
-                    // Priced like the lease's maximum: a lease without GPUs as one GPU.
+                    // Until the receipt settles: priced like the lease's maximum (a lease
+                    // without GPUs as one GPU) over the wall time.
                     let gpus = lease.gpus.len().max(1) as f64;
+                    let mut cost = lease.price_per_gpu_hour * gpus * wall_ms as f64 / 3_600_000.0;
+                    let receipt = match lease_key {
+                        Some(id) => match self.accounts().wait_receipt(&id, RECEIPT_WAIT).await {
+                            ReceiptStatus::Settled(r) => {
+                                cost = crate::ledger::credits(r.receipt.amount_millicredits);
+                                "settled".to_string()
+                            }
+                            ReceiptStatus::Refused(why) => format!("refused: {why}"),
+                            ReceiptStatus::Pending => "pending".to_string(),
+                        },
+                        None => "pending".to_string(),
+                    };
+                    let output_digest = replica_digest(&report);
                     return Ok(JobSummary {
                         provider: lease.provider.clone(),
                         lease_id: lease.lease_id.clone(),
@@ -322,7 +399,10 @@ impl NodeHandle {
                         outcome: report.outcome,
                         wall_ms,
                         run_ms: report.run_ms,
-                        cost: lease.price_per_gpu_hour * gpus * wall_ms as f64 / 3_600_000.0,
+                        cost,
+                        receipt,
+                        output_digest,
+                        replicas: Vec::new(),
                         output_dir: req.output_dir.clone(),
                         outputs: report.outputs.iter().map(|f| f.path.clone()).collect(),
                         attempts: attempt,
@@ -345,6 +425,37 @@ impl NodeHandle {
                     )))
                 }
             }
+        }
+    }
+
+    /// Notes what this attempt used (for checking the provider's receipt) and what it
+    /// says about the provider (reputation).
+    fn observe(&self, lease: Option<LeaseId>, provider: &str, outcome: &Attempt, took: Duration) {
+        let accounts = self.accounts();
+        let ms = took.as_millis() as u64;
+        let peer = provider.parse::<PeerId>().ok();
+        let (status, digest, verdict) = match outcome {
+            Attempt::Done(report) => (
+                super::provider::outcome_status(&report.outcome),
+                Some(gpunode_protocol::receipt::job_output_digest(
+                    &report.outputs,
+                )),
+                Some(Outcome::JobDone),
+            ),
+            Attempt::Retry(why) if why == STOPPED_ANSWERING => {
+                ("failed".into(), None, Some(Outcome::TimedOut))
+            }
+            Attempt::Retry(why) if why == STOPPED_UNASKED => {
+                ("failed".into(), None, Some(Outcome::CancelledByProvider))
+            }
+            Attempt::Retry(_) => ("failed".into(), None, Some(Outcome::Failed)),
+            Attempt::Fatal(_) => ("failed".into(), None, None),
+        };
+        if let Some(id) = lease {
+            accounts.observed.add_job(id, ms, status, digest);
+        }
+        if let (Some(peer), Some(verdict)) = (peer, verdict) {
+            accounts.reputation.record(peer, verdict);
         }
     }
 
@@ -489,7 +600,7 @@ impl NodeHandle {
         };
         if report.outcome == JobOutcome::Cancelled && !cancel_sent {
             // Not our doing: the provider ended the lease, shut down or was preempted.
-            return Attempt::Retry("the provider stopped the job before it ended".into());
+            return Attempt::Retry(STOPPED_UNASKED.into());
         }
         match self.download(req, &report, &mut r, events).await {
             Ok(()) => Attempt::Done(report),

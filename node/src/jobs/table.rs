@@ -328,6 +328,7 @@ mod tests {
             peer: None,
             retries: 0,
             fuel: None,
+            replicas: 0,
         }
     }
 

@@ -168,6 +168,8 @@ struct Totals {
     mem: u64,
     /// GPUs we lend, by requester.
     per_peer: HashMap<PeerId, u32>,
+    /// Most the leases we provide can still cost, by requester, millicredits.
+    exposure: HashMap<PeerId, u64>,
     /// Active leases, either side.
     active: usize,
 }
@@ -251,6 +253,11 @@ impl LeaseBook {
     /// Finds the lease whose id starts with `prefix` (hex), if exactly one does.
     pub fn resolve(&self, prefix: &str) -> Result<LeaseId, String> {
         let prefix = prefix.trim().to_ascii_lowercase();
+        if let Ok(id) = prefix.parse::<LeaseId>() {
+            if self.leases.contains_key(&id) {
+                return Ok(id);
+            }
+        }
         if prefix.len() < 4 {
             return Err(format!(
                 "lease id '{prefix}' is too short: give at least 4 hex digits"
@@ -289,6 +296,21 @@ impl LeaseBook {
         self.totals.gpus.clone()
     }
 
+    /// The most that `peer`'s offered and active leases with us can still cost,
+    /// millicredits (what admission counts as its open exposure).
+    pub fn exposure(&self, peer: &PeerId) -> u64 {
+        self.totals.exposure.get(peer).copied().unwrap_or(0)
+    }
+
+    /// The most a lease for `req` could cost at this provider's price, millicredits.
+    pub fn max_amount_for(&self, req: &LeaseRequest) -> u64 {
+        gpunode_protocol::receipt::amount_for(
+            self.policy.price_per_gpu_hour_millicredits,
+            req.requirements.gpus,
+            req.duration_ms,
+        )
+    }
+
     /// Adds (or with `add == false` removes) a lease's share of the running totals.
     fn account(&mut self, id: &LeaseId, add: bool) {
         let Some(l) = self.leases.get(id) else {
@@ -318,7 +340,14 @@ impl LeaseBook {
             t.mem += l.terms.mem_bytes;
             t.gpus.extend(l.terms.gpus.iter().map(|g| g.uuid.clone()));
             *t.per_peer.entry(l.terms.requester).or_default() += n;
+            *t.exposure.entry(l.terms.requester).or_default() += l.terms.max_amount_millicredits();
         } else {
+            if let Some(e) = t.exposure.get_mut(&l.terms.requester) {
+                *e = e.saturating_sub(l.terms.max_amount_millicredits());
+                if *e == 0 {
+                    t.exposure.remove(&l.terms.requester);
+                }
+            }
             t.cpus = t.cpus.saturating_sub(l.terms.cpus);
             t.mem = t.mem.saturating_sub(l.terms.mem_bytes);
             for g in &l.terms.gpus {

@@ -449,6 +449,8 @@ fn cancel_releases_at_once_and_only_by_a_party() {
         RejectCode::UnknownLease
     );
     let me = f.requester();
+    assert_eq!(f.book.exposure(&me), terms.max_amount_millicredits());
+    assert_eq!(f.book.exposure(&outsider.public().to_peer_id()), 0);
     let c = Cancellation { by: me, ..c };
     let forged = c.sign(&outsider).unwrap();
     assert_eq!(
@@ -463,6 +465,11 @@ fn cancel_releases_at_once_and_only_by_a_party() {
         LeaseState::Cancelled
     );
     assert!(f.book.committed_gpus().is_empty());
+    assert_eq!(
+        f.book.exposure(&me),
+        0,
+        "a cancelled lease can cost nothing more"
+    );
     assert_eq!(
         code(f.book.on_cancel(&me, &c, &s, NOW)),
         RejectCode::WrongState

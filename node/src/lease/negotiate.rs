@@ -1,6 +1,7 @@
 //! The requester's side of a lease negotiation: ask candidates in order, check each
 //! offer against what was asked, countersign the first firm one, and record the lease.
 
+use crate::ledger::reputation::NEUTRAL;
 use std::time::Duration;
 
 use gpunode_protocol::advert::OfferFilter;
@@ -146,7 +147,20 @@ impl NodeHandle {
                         .count()
                         >= spec.gpus as usize
                 };
-                offers.sort_by_key(|o| !idle_enough(o));
+                // Providers whose reputation fell below the floor go last; then those
+                // with enough idle matching GPUs; then by price weighted by reputation
+                // and latency (see `rank`).
+                offers.sort_by(|a, b| {
+                    let key = |o: &crate::OfferView| {
+                        (
+                            o.reputation.unwrap_or(NEUTRAL) < REPUTATION_FLOOR,
+                            !idle_enough(o),
+                        )
+                    };
+                    key(a)
+                        .cmp(&key(b))
+                        .then_with(|| rank(a).total_cmp(&rank(b)))
+                });
                 offers
                     .iter()
                     .filter_map(|o| {
@@ -354,6 +368,19 @@ impl NodeHandle {
 }
 
 /// Failures of the connection rather than refusals by the peer: worth one more try.
+/// Providers scoring below this are only asked when no one else can serve.
+pub const REPUTATION_FLOOR: f64 = 0.3;
+
+/// Ranking of an offer, lower is better: price per GPU-hour × (1.5 − reputation) ×
+/// (1 + round trip in seconds). A perfect reputation halves the price's weight, an
+/// unknown one (0.5) leaves it, a bad one raises it by up to half; a 100 ms round trip
+/// counts as 10% more expensive. Free offers rank by reputation and latency alone.
+pub fn rank(o: &crate::OfferView) -> f64 {
+    let reputation = o.reputation.unwrap_or(NEUTRAL);
+    let latency = 1.0 + o.rtt_ms.unwrap_or(0.0) / 1000.0;
+    (o.price_per_gpu_hour + 0.001) * (1.5 - reputation) * latency
+}
+
 fn is_transport_failure(error: &str) -> bool {
     let e = error.to_ascii_lowercase();
     e.contains("dial")

@@ -41,6 +41,19 @@ enum Cmd {
         #[command(subcommand)]
         which: Bench,
     },
+    /// Lease and cancel leases of one provider as fast as possible until killed, so the
+    /// provider settles receipts with this node (the ledger crash test kills it).
+    LedgerRequester {
+        /// This node's data directory (kept across restarts).
+        #[arg(long)]
+        data_dir: PathBuf,
+        /// The provider, /ip4/.../p2p/PEER_ID.
+        #[arg(long)]
+        provider: String,
+        /// Concurrent lease loops.
+        #[arg(long, default_value_t = 8)]
+        workers: usize,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -80,6 +93,19 @@ enum Bench {
         /// Runs per transport.
         #[arg(long, default_value_t = 3)]
         runs: usize,
+    },
+    /// Receipts settled per second between two nodes (durable), and the time to verify
+    /// a ledger of a million entries.
+    Ledger {
+        /// Leases to settle in the timed run.
+        #[arg(long, default_value_t = 5000)]
+        receipts: usize,
+        /// Entries of the ledger to verify.
+        #[arg(long, default_value_t = 1_000_000)]
+        verify_entries: u64,
+        /// Verification runs (the median is reported).
+        #[arg(long, default_value_t = 3)]
+        verify_runs: usize,
     },
     /// A compute kernel natively and as a wasm task; start time of a cached module.
     SandboxOverhead {
@@ -154,6 +180,37 @@ fn up(nodes: usize, gpus: Vec<String>, dir: Option<PathBuf>) -> Result<()> {
 fn main() -> Result<()> {
     let cli = Cli::parse();
     match cli.command {
+        Cmd::LedgerRequester {
+            data_dir,
+            provider,
+            workers,
+        } => {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()?;
+            rt.block_on(testnet::ledger::churn_requester(
+                &data_dir, &provider, workers,
+            ))
+        }
+        Cmd::Bench {
+            which:
+                Bench::Ledger {
+                    receipts,
+                    verify_entries,
+                    verify_runs,
+                },
+        } => {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()?;
+            let report = rt.block_on(testnet::ledger::bench(
+                receipts,
+                verify_entries,
+                verify_runs,
+            ))?;
+            println!("{}", serde_json::to_string(&report)?);
+            Ok(())
+        }
         Cmd::Up { nodes, gpus, dir } => up(nodes, gpus, dir),
         Cmd::Bench {
             which: Bench::Discovery { nodes, lookups },

@@ -1,0 +1,212 @@
+//! `gpunode ledger` (balances, recent entries, `verify`, `export`) and `gpunode peers`:
+//! through the daemon's API when one runs, or straight from the store otherwise.
+
+use std::io::Write;
+use std::process::ExitCode;
+
+use anyhow::Result;
+use gpunode_node::api::ApiClient;
+use gpunode_node::ledger::chain::VerifyReport;
+use gpunode_node::ledger::views::{ExportFormat, LedgerView, PeerView};
+use gpunode_node::{DataDir, NodeConfig};
+
+use crate::commands::offline_node;
+use crate::output::short_peer;
+use crate::{LedgerAction, LedgerArgs};
+
+/// `gpunode ledger [verify | export]`.
+pub async fn ledger(data_dir: DataDir, config: NodeConfig, args: LedgerArgs) -> Result<ExitCode> {
+    let api = ApiClient::new(&data_dir.api_socket());
+    let daemon = api.is_running().await;
+    match args.action {
+        None => {
+            let view: LedgerView = if daemon {
+                api.get_json(&format!("/v1/ledger?recent={}", args.recent))
+                    .await?
+            } else {
+                let node = offline_node(data_dir, config).await?;
+                let v = node.handle().ledger_view(args.recent);
+                node.shutdown().await;
+                v?
+            };
+            if args.json {
+                println!("{}", serde_json::to_string_pretty(&view)?);
+            } else {
+                print_ledger(&mut std::io::stdout().lock(), &view)?;
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Some(LedgerAction::Verify { json }) => {
+            let report: VerifyReport = if daemon {
+                api.get_json("/v1/ledger/verify").await?
+            } else {
+                let node = offline_node(data_dir, config).await?;
+                let r = node.handle().verify_ledger().await;
+                node.shutdown().await;
+                r?
+            };
+            if json || args.json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                match &report.first_bad {
+                    None => println!(
+                        "ledger OK: {} entries, {} signatures checked in {:.2}s; balance {:+.3} credits",
+                        report.entries,
+                        report.signatures,
+                        report.took_ms as f64 / 1000.0,
+                        report.balance_millicredits as f64 / 1000.0
+                    ),
+                    Some(bad) => println!(
+                        "ledger BROKEN at entry {}: {}",
+                        bad.seq, bad.reason
+                    ),
+                }
+            }
+            Ok(if report.first_bad.is_none() {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(1)
+            })
+        }
+        Some(LedgerAction::Export { format }) => {
+            let format: ExportFormat = format
+                .parse()
+                .map_err(|m: String| anyhow::anyhow!("invalid --format: {m}"))?;
+            let text = if daemon {
+                let f = match format {
+                    ExportFormat::Csv => "csv",
+                    ExportFormat::Json => "json",
+                };
+                api.get_text(&format!("/v1/ledger/export?format={f}"))
+                    .await?
+            } else {
+                let node = offline_node(data_dir, config).await?;
+                let t = node.handle().export_ledger(format).await;
+                node.shutdown().await;
+                t?
+            };
+            std::io::stdout().lock().write_all(text.as_bytes())?;
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+/// `gpunode peers`.
+pub async fn peers(data_dir: DataDir, config: NodeConfig, json: bool) -> Result<ExitCode> {
+    let api = ApiClient::new(&data_dir.api_socket());
+    let peers: Vec<PeerView> = if api.is_running().await {
+        api.get_json("/v1/peers").await?
+    } else {
+        let node = offline_node(data_dir, config).await?;
+        let p = node.handle().peers_view();
+        node.shutdown().await;
+        p
+    };
+    if json {
+        println!("{}", serde_json::to_string_pretty(&peers)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    let mut out = std::io::stdout().lock();
+    if peers.is_empty() {
+        writeln!(out, "No known peers yet: reputation builds up as jobs run.")?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    writeln!(
+        out,
+        "{:<14} {:>10} {:>9} {:>8} {:>8} {:>10} {:>12} {:>12}",
+        "PEER",
+        "REPUTATION",
+        "JOBS DONE",
+        "FAILURES",
+        "DISPUTES",
+        "MISMATCHES",
+        "BALANCE",
+        "STANDING"
+    )?;
+    for p in &peers {
+        writeln!(
+            out,
+            "{:<14} {:>10.2} {:>9} {:>8} {:>8} {:>10} {:>+12.3} {:>12.3}",
+            short_peer(&p.peer_id),
+            p.reputation,
+            p.jobs_done,
+            p.failures,
+            p.disputes,
+            p.mismatches,
+            p.balance,
+            p.standing
+        )?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn print_ledger(out: &mut impl Write, v: &LedgerView) -> std::io::Result<()> {
+    writeln!(
+        out,
+        "Balance: {:+.3} credits (earned {:.3}, spent {:.3}) in {} entries",
+        v.balance, v.earned, v.spent, v.entries
+    )?;
+    writeln!(
+        out,
+        "New peers may use {:.3} credits here, and {:.3} more past that before they are refused.",
+        v.allowance, v.debt_limit
+    )?;
+    if !v.peers.is_empty() {
+        writeln!(out, "\nWith each peer:")?;
+        writeln!(
+            out,
+            "  {:<14} {:>12} {:>12} {:>12}",
+            "PEER", "EARNED", "SPENT", "BALANCE"
+        )?;
+        for p in &v.peers {
+            writeln!(
+                out,
+                "  {:<14} {:>12.3} {:>12.3} {:>+12.3}",
+                short_peer(&p.peer_id),
+                p.earned,
+                p.spent,
+                p.balance
+            )?;
+        }
+    }
+    if !v.recent.is_empty() {
+        writeln!(out, "\nRecent entries:")?;
+        writeln!(
+            out,
+            "  {:>6} {:<10} {:<7} {:<14} {:>10} {:>9} {:>4}  LAST EXIT",
+            "SEQ", "LEASE", "", "PEER", "CREDITS", "BILLED", "JOBS"
+        )?;
+        for e in &v.recent {
+            writeln!(
+                out,
+                "  {:>6} {:<10} {:<7} {:<14} {:>+10.3} {:>8.1}s {:>4}  {}",
+                e.seq,
+                &e.lease_id[..e.lease_id.len().min(8)],
+                e.direction,
+                short_peer(&e.peer),
+                if e.direction == "earned" {
+                    e.amount
+                } else {
+                    -e.amount
+                },
+                e.billed_seconds,
+                e.jobs,
+                e.exit_status
+            )?;
+        }
+    }
+    if !v.unsettled.is_empty() {
+        writeln!(out, "\nUnsettled claims (receipts not countersigned):")?;
+        for u in &v.unsettled {
+            writeln!(
+                out,
+                "  lease {} peer {} {:.3} credits: {}",
+                &u.lease_id[..u.lease_id.len().min(8)],
+                short_peer(&u.peer),
+                u.amount,
+                u.disputed.as_deref().unwrap_or("waiting for the peer")
+            )?;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,428 @@
+//! The hash chain: ledger entries, their hashes, the signed head, and checking a whole
+//! chain.
+//!
+//! Entry `n` holds the hash of entry `n-1` (entry 1 holds zeros) and a receipt signed by
+//! both parties, one of them this node. After every write the node signs the head (the
+//! last sequence number and hash), so nobody without its key can drop, reorder or edit
+//! entries without `verify` noticing.
+
+use std::collections::HashMap;
+
+use gpunode_protocol::encoding;
+use gpunode_protocol::receipt::{Digest, SettledReceipt, RECEIPT_SIGNING_TAG};
+use gpunode_protocol::signing::{self, BatchItem};
+use gpunode_protocol::time::UnixMillis;
+use libp2p::identity::Keypair;
+use libp2p::PeerId;
+use serde::{Deserialize, Serialize};
+
+/// Domain tag of the chain head signature.
+pub const HEAD_SIGNING_TAG: &[u8] = b"gpunode/ledger-head/v1\0";
+/// Domain tag of entry hashes.
+const ENTRY_HASH_TAG: &[u8] = b"gpunode/ledger-entry/v1\0";
+/// Largest stored entry we decode.
+pub const MAX_ENTRY_BYTES: usize = 64 * 1024;
+/// Entries checked per block (their signatures go to one parallel batch).
+const VERIFY_BLOCK: usize = 16 * 1024;
+
+/// One ledger entry.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Entry {
+    /// Position, from 1.
+    pub seq: u64,
+    /// Hash of the entry before (zeros for the first).
+    pub prev: Digest,
+    /// When this node wrote it.
+    pub recorded_ms: UnixMillis,
+    /// The receipt with both signatures.
+    pub receipt: SettledReceipt,
+}
+
+impl Entry {
+    /// The entry's hash (what the next entry holds).
+    pub fn hash(bytes: &[u8]) -> Digest {
+        let mut h = blake3::Hasher::new();
+        h.update(ENTRY_HASH_TAG);
+        h.update(bytes);
+        *h.finalize().as_bytes()
+    }
+}
+
+/// The last entry's position and hash, signed by the node.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct ChainHead {
+    /// Last sequence number (0: empty).
+    pub seq: u64,
+    /// Last entry's hash (zeros: empty).
+    pub hash: Digest,
+    /// The node's signature over both.
+    pub signature: Vec<u8>,
+}
+
+impl ChainHead {
+    fn signed_bytes(seq: u64, hash: &Digest) -> Vec<u8> {
+        let mut b = seq.to_le_bytes().to_vec();
+        b.extend_from_slice(hash);
+        b
+    }
+
+    /// A head for `seq` and `hash`, signed with `key`.
+    pub fn signed(seq: u64, hash: Digest, key: &Keypair) -> Result<ChainHead, String> {
+        let signature = signing::sign(key, HEAD_SIGNING_TAG, &Self::signed_bytes(seq, &hash))
+            .map_err(|e| e.to_string())?;
+        Ok(ChainHead {
+            seq,
+            hash,
+            signature,
+        })
+    }
+
+    /// Whether `signer` signed this head (an empty chain needs no signature).
+    pub fn is_signed_by(&self, signer: &PeerId) -> bool {
+        if self.seq == 0 && self.signature.is_empty() {
+            return true;
+        }
+        signing::verify_batch(&[BatchItem {
+            signer,
+            tag: HEAD_SIGNING_TAG,
+            body: &Self::signed_bytes(self.seq, &self.hash),
+            signature: &self.signature,
+        }])
+        .is_ok()
+    }
+}
+
+/// What one side of a receipt means for this node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct PeerAccount {
+    /// What we earned providing to this peer, millicredits.
+    pub earned: u64,
+    /// What we spent on this peer's resources, millicredits.
+    pub spent: u64,
+    /// Receipts settled as provider.
+    pub as_provider: u64,
+    /// Receipts settled as requester.
+    pub as_requester: u64,
+}
+
+impl PeerAccount {
+    /// Adds one receipt in which `local` is a party; returns the other party.
+    pub fn apply(accounts: &mut HashMap<PeerId, PeerAccount>, local: &PeerId, r: &SettledReceipt) {
+        let rec = &r.receipt;
+        if rec.provider == *local {
+            let a = accounts.entry(rec.requester).or_default();
+            a.earned = a.earned.saturating_add(rec.amount_millicredits);
+            a.as_provider += 1;
+        } else {
+            let a = accounts.entry(rec.provider).or_default();
+            a.spent = a.spent.saturating_add(rec.amount_millicredits);
+            a.as_requester += 1;
+        }
+    }
+
+    /// Earned minus spent, millicredits.
+    pub fn balance(&self) -> i128 {
+        self.earned as i128 - self.spent as i128
+    }
+}
+
+/// The result of checking a chain.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VerifyReport {
+    /// Entries checked.
+    pub entries: u64,
+    /// Signatures checked.
+    pub signatures: u64,
+    /// The first bad entry and what is wrong with it; `None` when all is well.
+    pub first_bad: Option<BadEntry>,
+    /// Balance derived from the entries, millicredits.
+    pub balance_millicredits: i128,
+    /// Milliseconds the check took.
+    pub took_ms: u64,
+}
+
+/// An entry that fails the check.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BadEntry {
+    /// Its sequence number (or the head's, for a head problem).
+    pub seq: u64,
+    /// What is wrong.
+    pub reason: String,
+}
+
+/// Checks a chain read in order from `entries` (raw key and value): sequence, hash
+/// links, both signatures of every receipt, that this node is a party to each, then the
+/// head and the stored per-peer accounts against the entries.
+///
+/// The calling thread only reads; blocks of entries are decoded, hashed and their
+/// signatures batch-verified on all cores while the next block is read.
+pub fn verify<I, E>(
+    local: &PeerId,
+    entries: I,
+    head: &ChainHead,
+    stored_accounts: &HashMap<PeerId, PeerAccount>,
+) -> VerifyReport
+where
+    I: Iterator<Item = Result<(Vec<u8>, Vec<u8>), E>>,
+    E: std::fmt::Display,
+{
+    let started = std::time::Instant::now();
+    let (tx, rx) = std::sync::mpsc::sync_channel::<RawBlock>(2);
+    let mut report = std::thread::scope(|s| {
+        let checker = s.spawn(move || check_blocks(local, rx, head, stored_accounts));
+        let mut block = Vec::with_capacity(VERIFY_BLOCK);
+        for item in entries {
+            match item {
+                Ok(kv) => block.push(Ok(kv)),
+                Err(e) => {
+                    block.push(Err(format!("cannot read the entry: {e}")));
+                    break;
+                }
+            }
+            if block.len() == VERIFY_BLOCK {
+                let full = std::mem::replace(&mut block, Vec::with_capacity(VERIFY_BLOCK));
+                if tx.send(full).is_err() {
+                    // The checker found a bad entry and stopped.
+                    break;
+                }
+            }
+        }
+        if !block.is_empty() {
+            let _ = tx.send(block);
+        }
+        drop(tx);
+        checker.join().unwrap_or_else(|_| VerifyReport {
+            entries: 0,
+            signatures: 0,
+            first_bad: Some(BadEntry {
+                seq: 0,
+                reason: "the check itself failed".into(),
+            }),
+            balance_millicredits: 0,
+            took_ms: 0,
+        })
+    });
+    report.took_ms = started.elapsed().as_millis() as u64;
+    report
+}
+
+/// One raw entry as read (key, value), or why it could not be read.
+type RawEntry = Result<(Vec<u8>, Vec<u8>), String>;
+/// Raw entries as read.
+type RawBlock = Vec<RawEntry>;
+
+/// One entry after the parallel stage.
+struct Decoded {
+    key_seq: Option<u64>,
+    entry: Result<Entry, String>,
+    hash: Digest,
+}
+
+/// The sequential stage: links, parties, accounts, then head and balances.
+fn check_blocks(
+    local: &PeerId,
+    blocks: std::sync::mpsc::Receiver<RawBlock>,
+    head: &ChainHead,
+    stored_accounts: &HashMap<PeerId, PeerAccount>,
+) -> VerifyReport {
+    let mut report = VerifyReport {
+        entries: 0,
+        signatures: 0,
+        first_bad: None,
+        balance_millicredits: 0,
+        took_ms: 0,
+    };
+    let mut accounts: HashMap<PeerId, PeerAccount> = HashMap::new();
+    let mut prev: Digest = [0; 32];
+    let mut expected_seq = 1u64;
+    let mut bad: Option<BadEntry> = None;
+    'blocks: for block in blocks {
+        let (decoded, bad_signature) = decode_and_verify(block);
+        report.signatures += 2 * decoded.iter().filter(|d| d.entry.is_ok()).count() as u64;
+        for (i, d) in decoded.into_iter().enumerate() {
+            let fail = |reason: String| BadEntry {
+                seq: expected_seq,
+                reason,
+            };
+            let entry = match d.entry {
+                Ok(e) => e,
+                Err(reason) => {
+                    bad = Some(fail(reason));
+                    break 'blocks;
+                }
+            };
+            if entry.seq != expected_seq || d.key_seq != Some(entry.seq) {
+                bad = Some(fail(format!(
+                    "expected entry {expected_seq}, found entry {} (an entry is missing or out of place)",
+                    entry.seq
+                )));
+                break 'blocks;
+            }
+            if entry.prev != prev {
+                bad = Some(fail(
+                    "its link to the entry before does not match (an earlier entry was altered)"
+                        .into(),
+                ));
+                break 'blocks;
+            }
+            if let Some((at, reason)) = &bad_signature {
+                if *at == i {
+                    bad = Some(fail(reason.clone()));
+                    break 'blocks;
+                }
+            }
+            let rec = &entry.receipt.receipt;
+            if rec.provider != *local && rec.requester != *local {
+                bad = Some(fail("this node is not a party to its receipt".into()));
+                break 'blocks;
+            }
+            prev = d.hash;
+            PeerAccount::apply(&mut accounts, local, &entry.receipt);
+            expected_seq += 1;
+            report.entries += 1;
+        }
+    }
+    if bad.is_none() {
+        bad = check_head_and_accounts(
+            local,
+            head,
+            expected_seq - 1,
+            &prev,
+            &accounts,
+            stored_accounts,
+        );
+    }
+    report.balance_millicredits = accounts.values().map(PeerAccount::balance).sum();
+    report.first_bad = bad;
+    report
+}
+
+/// The parallel stage: decode, hash and batch-verify a block on every core. Returns the
+/// entries in order and the first entry (by position) whose signatures fail.
+fn decode_and_verify(block: RawBlock) -> (Vec<Decoded>, Option<(usize, String)>) {
+    let threads = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
+    let per = block.len().div_ceil(threads).max(1);
+    std::thread::scope(|s| {
+        let parts: Vec<_> = block
+            .chunks(per)
+            .enumerate()
+            .map(|(p, part)| {
+                s.spawn(move || {
+                    let (decoded, bad) = decode_part(part);
+                    (decoded, bad.map(|(i, r)| (p * per + i, r)))
+                })
+            })
+            .collect();
+        let mut all = Vec::with_capacity(block.len());
+        let mut first_bad: Option<(usize, String)> = None;
+        for part in parts {
+            let (decoded, bad) = part.join().unwrap_or_default();
+            all.extend(decoded);
+            if first_bad.is_none() {
+                first_bad = bad;
+            }
+        }
+        (all, first_bad)
+    })
+}
+
+fn decode_part(part: &[RawEntry]) -> (Vec<Decoded>, Option<(usize, String)>) {
+    let mut decoded = Vec::with_capacity(part.len());
+    let mut bodies = Vec::with_capacity(part.len());
+    for raw in part {
+        let d = match raw {
+            Ok((key, value)) => Decoded {
+                key_seq: key
+                    .get(1..9)
+                    .and_then(|b| <[u8; 8]>::try_from(b).ok())
+                    .map(u64::from_be_bytes),
+                entry: encoding::decode::<Entry>(value, MAX_ENTRY_BYTES)
+                    .map_err(|e| format!("entry does not decode: {e}")),
+                hash: Entry::hash(value),
+            },
+            Err(reason) => Decoded {
+                key_seq: None,
+                entry: Err(reason.clone()),
+                hash: [0; 32],
+            },
+        };
+        bodies.push(
+            d.entry
+                .as_ref()
+                .map(|e| e.receipt.receipt.canonical_bytes())
+                .unwrap_or_default(),
+        );
+        decoded.push(d);
+    }
+    // Signatures of the entries that decoded (the others are reported as undecodable).
+    let mut positions = Vec::with_capacity(decoded.len() * 2);
+    let mut items = Vec::with_capacity(decoded.len() * 2);
+    for (i, (d, body)) in decoded.iter().zip(&bodies).enumerate() {
+        if let Ok(e) = &d.entry {
+            let r = &e.receipt;
+            for (signer, signature) in [
+                (&r.receipt.provider, &r.provider_sig),
+                (&r.receipt.requester, &r.requester_sig),
+            ] {
+                positions.push(i);
+                items.push(BatchItem {
+                    signer,
+                    tag: RECEIPT_SIGNING_TAG,
+                    body,
+                    signature,
+                });
+            }
+        }
+    }
+    let bad = signing::verify_batch_here(&items).err().map(|k| {
+        let i = positions[k];
+        let (who, peer) = if k % 2 == 0 {
+            ("provider", items[k].signer)
+        } else {
+            ("requester", items[k].signer)
+        };
+        (i, format!("the {who}'s signature ({peer}) does not verify"))
+    });
+    (decoded, bad)
+}
+
+fn check_head_and_accounts(
+    local: &PeerId,
+    head: &ChainHead,
+    last: u64,
+    prev: &Digest,
+    accounts: &HashMap<PeerId, PeerAccount>,
+    stored_accounts: &HashMap<PeerId, PeerAccount>,
+) -> Option<BadEntry> {
+    if head.seq != last || head.hash != *prev {
+        return Some(BadEntry {
+            seq: head.seq.max(last),
+            reason: format!(
+                "the signed head names entry {} but the chain ends at entry {last} (entries were added or removed outside the node)",
+                head.seq
+            ),
+        });
+    }
+    if !head.is_signed_by(local) {
+        return Some(BadEntry {
+            seq: head.seq,
+            reason: "the head's signature does not verify".into(),
+        });
+    }
+    let mut stored: Vec<_> = stored_accounts
+        .iter()
+        .filter(|(_, a)| **a != PeerAccount::default())
+        .collect();
+    let mut derived: Vec<_> = accounts.iter().collect();
+    stored.sort_by_key(|(p, _)| p.to_bytes());
+    derived.sort_by_key(|(p, _)| p.to_bytes());
+    if stored != derived {
+        return Some(BadEntry {
+            seq: head.seq,
+            reason: "stored balances differ from the balances the entries give".into(),
+        });
+    }
+    None
+}

@@ -1,0 +1,172 @@
+//! The requester's rules for a receipt: what it must match before we countersign.
+//!
+//! A receipt is refused, with a reason, when its signature is bad, its lease is unknown
+//! (or not with this provider), it is inflated (amount or usage above the lease or above
+//! what we observed, or an amount that does not follow from the usage), its times fall
+//! outside the lease, or its output digest differs from what we received. Duplicates
+//! are caught by the ledger's lease index.
+
+use gpunode_protocol::lease::LeaseTerms;
+use gpunode_protocol::receipt::{
+    amount_for, Claim, ReceiptRefusal as Code, ReceiptRejection, RECEIPT_VERSION,
+};
+use gpunode_protocol::time::MAX_CLOCK_SKEW_MS;
+use libp2p::PeerId;
+
+use super::meter::LeaseUsage;
+use crate::lease::{LeaseRecord, LeaseRole};
+
+/// How much more run time than we observed a provider may bill (its clock and ours
+/// start and stop at slightly different moments; ours includes transfers, so honest
+/// bills come in under what we saw).
+pub const USAGE_TOLERANCE_MS: u64 = 2_000;
+
+fn refuse(code: Code, message: impl Into<String>) -> ReceiptRejection {
+    ReceiptRejection::new(code, message)
+}
+
+/// Checks a claim from `from` against our copy of its lease and what we observed.
+pub fn check_claim(
+    claim: &Claim,
+    from: &PeerId,
+    local: &PeerId,
+    lease: Option<&LeaseRecord>,
+    observed: &LeaseUsage,
+) -> Result<(), ReceiptRejection> {
+    check_claim_with(claim, from, local, lease, observed, false)
+}
+
+/// [`check_claim`], with the provider's signature already checked (in a batch) when
+/// `signature_checked`.
+pub fn check_claim_with(
+    claim: &Claim,
+    from: &PeerId,
+    local: &PeerId,
+    lease: Option<&LeaseRecord>,
+    observed: &LeaseUsage,
+    signature_checked: bool,
+) -> Result<(), ReceiptRejection> {
+    let r = &claim.receipt;
+    if r.version != RECEIPT_VERSION {
+        return Err(refuse(
+            Code::Invalid,
+            format!("receipt version {} is not supported", r.version),
+        ));
+    }
+    if r.provider != *from || r.requester != *local {
+        return Err(refuse(
+            Code::BadSignature,
+            format!(
+                "the receipt names provider {} and requester {}, but came from {from} to {local}",
+                r.provider, r.requester
+            ),
+        ));
+    }
+    if !signature_checked {
+        r.verify(from, &claim.provider_sig).map_err(|e| {
+            refuse(
+                Code::BadSignature,
+                format!("the provider's signature on the receipt does not verify: {e}"),
+            )
+        })?;
+    }
+    let lease = lease
+        .filter(|l| l.role == LeaseRole::Requester && l.terms.provider == *from)
+        .ok_or_else(|| {
+            refuse(
+                Code::UnknownLease,
+                format!("no lease {} with provider {from} here", r.lease_id),
+            )
+        })?;
+    let t: &LeaseTerms = &lease.terms;
+    if r.gpus as usize != t.gpus.len()
+        || r.cpus != t.cpus
+        || r.mem_bytes != t.mem_bytes
+        || r.price_per_gpu_hour_millicredits != t.price_per_gpu_hour_millicredits
+    {
+        return Err(refuse(
+            Code::Invalid,
+            "the receipt's resources or price differ from the lease's",
+        ));
+    }
+    if r.start_ms + MAX_CLOCK_SKEW_MS < t.start_ms
+        || r.end_ms > t.end_ms + MAX_CLOCK_SKEW_MS
+        || r.end_ms < r.start_ms
+    {
+        return Err(refuse(
+            Code::TimesOutsideLease,
+            format!(
+                "the receipt runs from {} to {} but the lease ran from {} to {}",
+                r.start_ms, r.end_ms, t.start_ms, t.end_ms
+            ),
+        ));
+    }
+    let window = r.end_ms - r.start_ms;
+    if r.billed_ms > window + USAGE_TOLERANCE_MS {
+        return Err(refuse(
+            Code::TimesOutsideLease,
+            format!(
+                "the receipt bills {} ms, more than the {window} ms it covers",
+                r.billed_ms
+            ),
+        ));
+    }
+    if r.gpu_ms != r.billed_ms.saturating_mul(r.gpus as u64)
+        || r.cpu_ms != r.billed_ms.saturating_mul(r.cpus as u64)
+    {
+        return Err(refuse(
+            Code::Inflated,
+            "GPU- or CPU-seconds do not follow from the billed time and the leased resources",
+        ));
+    }
+    let due = amount_for(r.price_per_gpu_hour_millicredits, r.gpus, r.billed_ms);
+    if r.amount_millicredits != due {
+        return Err(refuse(
+            Code::Inflated,
+            format!(
+                "the amount {} does not follow from the usage ({} ms at the lease's price is {due})",
+                r.amount_millicredits, r.billed_ms
+            ),
+        ));
+    }
+    if r.amount_millicredits > t.max_amount_millicredits() {
+        return Err(refuse(
+            Code::Inflated,
+            format!(
+                "the amount {} is more than the lease's maximum {}",
+                r.amount_millicredits,
+                t.max_amount_millicredits()
+            ),
+        ));
+    }
+    if r.billed_ms > observed.billed_ms + USAGE_TOLERANCE_MS {
+        return Err(refuse(
+            Code::Inflated,
+            format!(
+                "the provider bills {:.1} s of run time but its jobs took at most {:.1} s as seen here",
+                r.billed_ms as f64 / 1000.0,
+                observed.billed_ms as f64 / 1000.0
+            ),
+        ));
+    }
+    if r.jobs > observed.jobs {
+        return Err(refuse(
+            Code::Inflated,
+            format!(
+                "the receipt counts {} jobs; {} were sent",
+                r.jobs, observed.jobs
+            ),
+        ));
+    }
+    if r.output_digest != observed.output_digest() {
+        return Err(refuse(
+            Code::OutputMismatch,
+            "the receipt's output digest differs from the outputs received here",
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+#[path = "checks_tests.rs"]
+mod tests;

@@ -1,0 +1,214 @@
+use super::*;
+use crate::lease::LeaseState;
+use gpunode_protocol::lease::{LeaseId, LeasedGpu, LEASE_VERSION};
+use gpunode_protocol::receipt::{lease_output_digest, UsageReceipt};
+use libp2p::identity::Keypair;
+
+struct Setup {
+    provider: Keypair,
+    requester: Keypair,
+    lease: LeaseRecord,
+    observed: LeaseUsage,
+}
+
+fn setup() -> Setup {
+    let provider = Keypair::generate_ed25519();
+    let requester = Keypair::generate_ed25519();
+    let terms = LeaseTerms {
+        version: LEASE_VERSION,
+        lease_id: LeaseId([3; 16]),
+        provider: provider.public().to_peer_id(),
+        requester: requester.public().to_peer_id(),
+        gpus: vec![LeasedGpu {
+            index: 0,
+            uuid: "GPU-0".into(),
+            model: "A100".into(),
+            memory_bytes: 1,
+        }],
+        cpus: 2,
+        mem_bytes: 1 << 30,
+        backend: "wasm".into(),
+        start_ms: 100_000,
+        end_ms: 700_000,
+        price_per_gpu_hour_millicredits: 3_600_000,
+        request_nonce: 1,
+        offer_expires_ms: 110_000,
+    };
+    let lease = LeaseRecord {
+        signed_end_ms: terms.end_ms,
+        provider_sig: Vec::new(),
+        requester_sig: None,
+        renewals: Vec::new(),
+        role: LeaseRole::Requester,
+        state: LeaseState::Cancelled,
+        updated_ms: 200_000,
+        terms,
+    };
+    let observed = LeaseUsage {
+        billed_ms: 10_500,
+        jobs: 1,
+        last_status: "exited 0".into(),
+        digests: vec![[9; 32]],
+    };
+    Setup {
+        provider,
+        requester,
+        lease,
+        observed,
+    }
+}
+
+fn honest(s: &Setup) -> UsageReceipt {
+    let t = &s.lease.terms;
+    UsageReceipt {
+        version: RECEIPT_VERSION,
+        lease_id: t.lease_id,
+        provider: t.provider,
+        requester: t.requester,
+        gpus: 1,
+        cpus: 2,
+        mem_bytes: t.mem_bytes,
+        start_ms: t.start_ms,
+        end_ms: 200_000,
+        billed_ms: 10_000,
+        gpu_ms: 10_000,
+        cpu_ms: 20_000,
+        jobs: 1,
+        exit_status: "exited 0".into(),
+        output_digest: lease_output_digest(&[[9; 32]]),
+        price_per_gpu_hour_millicredits: t.price_per_gpu_hour_millicredits,
+        amount_millicredits: amount_for(t.price_per_gpu_hour_millicredits, 1, 10_000),
+        issued_at_ms: 200_000,
+    }
+}
+
+fn signed(s: &Setup, receipt: UsageReceipt) -> Claim {
+    Claim {
+        provider_sig: receipt.sign(&s.provider).expect("sign"),
+        receipt,
+    }
+}
+
+/// Checks `claim` as the setup's requester, against `lease`.
+fn check_against(s: &Setup, claim: &Claim, lease: Option<&LeaseRecord>) -> Result<(), Code> {
+    check_claim(
+        claim,
+        &s.provider.public().to_peer_id(),
+        &s.requester.public().to_peer_id(),
+        lease,
+        &s.observed,
+    )
+    .map_err(|r| {
+        assert!(!r.message.is_empty());
+        r.code
+    })
+}
+
+fn check(s: &Setup, receipt: UsageReceipt) -> Result<(), Code> {
+    check_against(s, &signed(s, receipt), Some(&s.lease))
+}
+
+#[test]
+fn an_honest_receipt_passes() {
+    let s = setup();
+    assert_eq!(check(&s, honest(&s)), Ok(()));
+}
+
+#[test]
+fn a_bad_signature_is_refused() {
+    let s = setup();
+    let mut claim = signed(&s, honest(&s));
+    claim.provider_sig[10] ^= 1;
+    assert_eq!(
+        check_against(&s, &claim, Some(&s.lease)),
+        Err(Code::BadSignature)
+    );
+    // Signed by someone else than the provider it names.
+    let receipt = honest(&s);
+    let claim = Claim {
+        provider_sig: receipt.sign(&Keypair::generate_ed25519()).expect("sign"),
+        receipt,
+    };
+    assert_eq!(
+        check_against(&s, &claim, Some(&s.lease)),
+        Err(Code::BadSignature)
+    );
+}
+
+#[test]
+fn an_unknown_lease_is_refused() {
+    let mut s = setup();
+    let claim = signed(&s, honest(&s));
+    assert_eq!(check_against(&s, &claim, None), Err(Code::UnknownLease));
+    // A lease we provide (not one we hold) is no basis for a bill either.
+    s.lease.role = LeaseRole::Provider;
+    assert_eq!(check(&s, honest(&s)), Err(Code::UnknownLease));
+}
+
+#[test]
+fn inflated_receipts_are_refused() {
+    let s = setup();
+    // Amount that does not follow from the usage.
+    let mut r = honest(&s);
+    r.amount_millicredits += 1;
+    assert_eq!(check(&s, r), Err(Code::Inflated));
+    // Usage (consistently priced) beyond what we observed.
+    let mut r = honest(&s);
+    r.billed_ms = 60_000;
+    r.gpu_ms = 60_000;
+    r.cpu_ms = 120_000;
+    r.amount_millicredits = amount_for(r.price_per_gpu_hour_millicredits, 1, 60_000);
+    assert_eq!(check(&s, r), Err(Code::Inflated));
+    // CPU-seconds out of line with the billed time.
+    let mut r = honest(&s);
+    r.cpu_ms *= 3;
+    assert_eq!(check(&s, r), Err(Code::Inflated));
+    // More jobs than were sent.
+    let mut r = honest(&s);
+    r.jobs = 2;
+    assert_eq!(check(&s, r), Err(Code::Inflated));
+}
+
+#[test]
+fn an_amount_above_the_lease_maximum_is_refused() {
+    let mut s = setup();
+    // We observed a long run (say our clock is off), but the lease caps the bill.
+    s.observed.billed_ms = 10_000_000;
+    let mut r = honest(&s);
+    r.end_ms = s.lease.terms.end_ms + 20_000;
+    r.billed_ms = 620_000;
+    r.gpu_ms = 620_000;
+    r.cpu_ms = 1_240_000;
+    r.amount_millicredits = amount_for(r.price_per_gpu_hour_millicredits, 1, 620_000);
+    assert!(r.amount_millicredits > s.lease.terms.max_amount_millicredits());
+    assert_eq!(check(&s, r), Err(Code::Inflated));
+}
+
+#[test]
+fn times_outside_the_lease_are_refused() {
+    let s = setup();
+    let mut r = honest(&s);
+    r.start_ms = s.lease.terms.start_ms - 60_000;
+    assert_eq!(check(&s, r), Err(Code::TimesOutsideLease));
+    let mut r = honest(&s);
+    r.end_ms = s.lease.terms.end_ms + 60_000;
+    assert_eq!(check(&s, r), Err(Code::TimesOutsideLease));
+    let mut r = honest(&s);
+    r.end_ms = r.start_ms + 1_000;
+    assert_eq!(check(&s, r), Err(Code::TimesOutsideLease));
+}
+
+#[test]
+fn other_outputs_and_altered_terms_are_refused() {
+    let s = setup();
+    let mut r = honest(&s);
+    r.output_digest = lease_output_digest(&[[8u8; 32]]);
+    assert_eq!(check(&s, r), Err(Code::OutputMismatch));
+    let mut r = honest(&s);
+    r.price_per_gpu_hour_millicredits *= 2;
+    r.amount_millicredits = amount_for(r.price_per_gpu_hour_millicredits, 1, r.billed_ms);
+    assert_eq!(check(&s, r), Err(Code::Invalid));
+    let mut r = honest(&s);
+    r.version = 9;
+    assert_eq!(check(&s, r), Err(Code::Invalid));
+}

@@ -1,0 +1,190 @@
+use super::*;
+use gpunode_protocol::receipt::{amount_for, lease_output_digest, UsageReceipt, RECEIPT_VERSION};
+
+/// A receipt between `provider` and `requester` for `amount` millicredits.
+pub(crate) fn settled(
+    provider: &Keypair,
+    requester: &Keypair,
+    lease: u8,
+    billed_ms: u64,
+) -> SettledReceipt {
+    let receipt = UsageReceipt {
+        version: RECEIPT_VERSION,
+        lease_id: LeaseId([lease; 16]),
+        provider: provider.public().to_peer_id(),
+        requester: requester.public().to_peer_id(),
+        gpus: 1,
+        cpus: 1,
+        mem_bytes: 0,
+        start_ms: 1_000,
+        end_ms: 1_000 + billed_ms,
+        billed_ms,
+        gpu_ms: billed_ms,
+        cpu_ms: billed_ms,
+        jobs: 1,
+        exit_status: "exited 0".into(),
+        output_digest: lease_output_digest(&[]),
+        price_per_gpu_hour_millicredits: 3_600_000,
+        amount_millicredits: amount_for(3_600_000, 1, billed_ms),
+        issued_at_ms: 1_000 + billed_ms,
+    };
+    SettledReceipt {
+        provider_sig: receipt.sign(provider).expect("sign"),
+        requester_sig: receipt.sign(requester).expect("sign"),
+        receipt,
+    }
+}
+
+struct Running {
+    _stop: watch::Sender<bool>,
+    writer: tokio::task::JoinHandle<()>,
+}
+
+impl Running {
+    async fn stop(self) {
+        drop(self._stop);
+        self.writer.await.expect("writer");
+    }
+}
+
+async fn open(store: &Store, key: &Keypair) -> (Arc<Ledger>, Running) {
+    let (ledger, writer) = Ledger::open(store.clone(), key.clone()).expect("open");
+    let (stop, rx) = watch::channel(false);
+    let writer = tokio::spawn(writer.run(rx));
+    (
+        ledger,
+        Running {
+            _stop: stop,
+            writer,
+        },
+    )
+}
+
+#[tokio::test]
+async fn appends_chain_balances_and_survive_reopen() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (me, a, b) = (
+        Keypair::generate_ed25519(),
+        Keypair::generate_ed25519(),
+        Keypair::generate_ed25519(),
+    );
+    {
+        let store = Store::open(dir.path()).expect("store");
+        let (ledger, running) = open(&store, &me).await;
+        // We provided 5 s to a (5 credits) and used 2 s of b (2 credits).
+        let r = ledger
+            .record(vec![settled(&me, &a, 1, 5_000), settled(&b, &me, 2, 2_000)])
+            .await;
+        assert_eq!(r, vec![Ok(Recorded::New(1)), Ok(Recorded::New(2))]);
+        assert_eq!(ledger.balance(), 3_000);
+        assert_eq!(ledger.account(&a.public().to_peer_id()).earned, 5_000);
+        assert_eq!(ledger.account(&b.public().to_peer_id()).spent, 2_000);
+        running.stop().await;
+    }
+    let store = Store::open(dir.path()).expect("reopen");
+    let (ledger, _stop) = open(&store, &me).await;
+    assert_eq!(ledger.head().seq, 2);
+    assert_eq!(ledger.balance(), 3_000);
+    let report = ledger.verify().expect("verify");
+    assert_eq!(report.first_bad, None, "{report:?}");
+    assert_eq!((report.entries, report.signatures), (2, 4));
+    let recent = ledger.recent(10).expect("recent");
+    assert_eq!(recent.len(), 2);
+    assert_eq!(recent[0].seq, 2);
+    assert_eq!(recent[0].direction, "spent");
+    assert_eq!(recent[1].prev, "0".repeat(64));
+    assert_eq!(recent[0].prev, recent[1].hash);
+}
+
+#[tokio::test]
+async fn same_receipt_twice_is_one_entry_and_another_for_the_lease_is_a_duplicate() {
+    let store = Store::temporary().expect("store");
+    let (me, a) = (Keypair::generate_ed25519(), Keypair::generate_ed25519());
+    let (ledger, _stop) = open(&store, &me).await;
+    let first = settled(&me, &a, 9, 1_000);
+    assert_eq!(
+        ledger.record(vec![first.clone()]).await,
+        vec![Ok(Recorded::New(1))]
+    );
+    let again = ledger
+        .record(vec![first.clone(), settled(&me, &a, 9, 4_000)])
+        .await;
+    assert_eq!(again[0], Ok(Recorded::AlreadyThere(1)));
+    assert!(matches!(
+        again[1],
+        Err(LedgerError::Duplicate { seq: 1, .. })
+    ));
+    // Inside one batch too.
+    let batch = ledger
+        .record(vec![
+            settled(&me, &a, 10, 1_000),
+            settled(&me, &a, 10, 2_000),
+        ])
+        .await;
+    assert!(batch[0].is_ok() && matches!(batch[1], Err(LedgerError::Duplicate { .. })));
+    assert_eq!(ledger.head().seq, 2);
+    assert_eq!(ledger.balance(), 2_000);
+}
+
+/// Rewrites stored entry `seq` with `edit` applied (what an attacker with disk access
+/// could do).
+fn tamper(store: &Store, seq: u64, edit: impl FnOnce(&mut Entry)) {
+    let key = entry_key(seq);
+    let bytes = store.get(TREE, &key).expect("get").expect("entry");
+    let mut e: Entry = encoding::decode(&bytes, MAX_ENTRY_BYTES).expect("decode");
+    edit(&mut e);
+    store.put(TREE, &key, &encoding::encode(&e)).expect("put");
+}
+
+#[tokio::test]
+async fn verify_names_the_first_bad_entry() {
+    let (me, a) = (Keypair::generate_ed25519(), Keypair::generate_ed25519());
+    let fresh = || async {
+        let store = Store::temporary().expect("store");
+        let (ledger, stop) = open(&store, &me).await;
+        let receipts = (1..=6)
+            .map(|i| settled(&me, &a, i, 1_000 * i as u64))
+            .collect();
+        assert!(ledger.record(receipts).await.iter().all(Result::is_ok));
+        (store, ledger, stop)
+    };
+
+    let (store, ledger, _s) = fresh().await;
+    tamper(&store, 4, |e| e.receipt.receipt.amount_millicredits += 1);
+    let bad = ledger.verify().expect("verify").first_bad.expect("caught");
+    // The edit breaks entry 4's signatures and entry 5's link; the first is named.
+    assert_eq!(bad.seq, 4, "{bad:?}");
+
+    let (store, ledger, _s) = fresh().await;
+    tamper(&store, 3, |e| e.receipt.requester_sig[0] ^= 1);
+    let bad = ledger.verify().expect("verify").first_bad.expect("caught");
+    assert_eq!(bad.seq, 3);
+    assert!(bad.reason.contains("requester"), "{}", bad.reason);
+
+    let (store, ledger, _s) = fresh().await;
+    store.remove(TREE, &entry_key(2)).expect("remove");
+    let bad = ledger.verify().expect("verify").first_bad.expect("caught");
+    assert_eq!(bad.seq, 2, "{bad:?}");
+
+    let (store, ledger, _s) = fresh().await;
+    store.remove(TREE, &entry_key(6)).expect("remove last");
+    let bad = ledger.verify().expect("verify").first_bad.expect("caught");
+    assert!(bad.reason.contains("head"), "{bad:?}");
+
+    let (store, ledger, _s) = fresh().await;
+    store
+        .put(
+            TREE,
+            &account_key(&a.public().to_peer_id()),
+            &encoding::encode(&PeerAccount::default()),
+        )
+        .expect("put");
+    let (reopened, _w) = Ledger::open(store.clone(), me.clone()).expect("reopen");
+    drop(ledger);
+    let bad = reopened
+        .verify()
+        .expect("verify")
+        .first_bad
+        .expect("caught");
+    assert!(bad.reason.contains("balances"), "{bad:?}");
+}

@@ -1,0 +1,740 @@
+//! Settlement: turning ended leases into receipts both ledgers hold.
+//!
+//! Provider side: when a lease it provided ends, [`Accounts::make_claims`] writes a
+//! receipt from the metered usage, signs it and keeps it as a claim (durably, so a crash
+//! resends the very same receipt); [`run_claims`] sends claims to each requester in
+//! batches on the settle protocol and appends the countersigned ones to the ledger.
+//! Claims a requester refuses stay as disputed claims: they count as its debt and cost
+//! it reputation; claims it does not answer are retried with backoff.
+//!
+//! Requester side: [`serve_claims`] checks each claim ([`super::checks`]), countersigns
+//! the good ones, appends them to the ledger, and answers only after the write is on disk.
+//! A claim identical to one already settled gets the same countersignature again (the
+//! provider may have crashed before storing it); anything else for a settled lease is a
+//! duplicate.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::{AsyncReadExt, AsyncWriteExt, StreamExt};
+use gpunode_protocol::encoding;
+use gpunode_protocol::lease::{LeaseId, RejectCode, Rejection};
+use gpunode_protocol::receipt::{
+    amount_for, Claim, ClaimResult, ReceiptRefusal, ReceiptRejection, SettleMsg, SettleReply,
+    SettledReceipt, UsageReceipt, MAX_CLAIMS_PER_MESSAGE, RECEIPT_SIGNING_TAG, RECEIPT_VERSION,
+};
+use gpunode_protocol::signing::{self, BatchItem};
+use libp2p::identity::Keypair;
+use libp2p::{PeerId, Stream, StreamProtocol};
+use serde::{Deserialize, Serialize};
+use tokio::sync::{mpsc, watch};
+
+use super::meter::UsageMeter;
+use super::reputation::{Outcome, Reputation};
+use super::{credits, Ledger, LedgerError, LedgerWriter, Recorded};
+use crate::jobs::wire;
+use crate::lease::{LeaseRecord, LeaseRole, LeaseState};
+use crate::store::Store;
+use crate::NodeHandle;
+
+/// The settlement stream protocol.
+pub const SETTLE_PROTOCOL: StreamProtocol = StreamProtocol::new("/gpunode/settle/1.0.0");
+const CLAIMS_TREE: &str = "claims";
+/// How long one settlement exchange may take.
+const EXCHANGE_TIMEOUT: Duration = Duration::from_secs(20);
+/// First retry of an unanswered claim; doubles up to [`MAX_RETRY`].
+const FIRST_RETRY: Duration = Duration::from_secs(5);
+const MAX_RETRY: Duration = Duration::from_secs(600);
+/// How often the provider looks for ended leases without a claim (missed notices).
+const SWEEP_EVERY: Duration = Duration::from_secs(60);
+
+/// Ways a node can be told to cheat, so test networks can check that cheats are caught.
+/// Never set from configuration.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Misbehaviour {
+    /// Bill this many times the metered run time (1 or 0: honest).
+    pub inflate_billing: u64,
+    /// Flip bytes in every output file before sending it.
+    pub corrupt_outputs: bool,
+}
+
+/// A claim and where it stands.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+struct StoredClaim {
+    claim: Claim,
+    /// Why the requester refused it, if it did.
+    disputed: Option<String>,
+}
+
+/// The credit side of a node: ledger, reputation, usage meters, unsettled claims and the
+/// admission rules that use them.
+pub struct Accounts {
+    /// The ledger.
+    pub ledger: Arc<Ledger>,
+    /// Scores of peers.
+    pub reputation: Reputation,
+    /// Usage of leases we provide, metered by our jobs.
+    pub metered: UsageMeter,
+    /// Usage of leases we hold, as observed here.
+    pub observed: UsageMeter,
+    claims: Mutex<HashMap<LeaseId, StoredClaim>>,
+    /// Requester side: receipts we refused, by lease (why), until the process ends.
+    refused: Mutex<HashMap<LeaseId, String>>,
+    /// Bumped after every batch of claims we answered.
+    answered: watch::Sender<u64>,
+    store: Store,
+    keypair: Keypair,
+    /// Credits a new peer may use here, millicredits.
+    pub allowance_millicredits: u64,
+    /// Debt past the allowance tolerated, millicredits.
+    pub debt_limit_millicredits: u64,
+    /// Lowest reputation admitted.
+    pub min_reputation: f64,
+    /// Cheating switches for test networks.
+    pub misbehaviour: Misbehaviour,
+}
+
+impl std::fmt::Debug for Accounts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Accounts").finish_non_exhaustive()
+    }
+}
+
+/// Credit settings.
+#[derive(Debug, Clone, Copy)]
+pub struct CreditPolicy {
+    /// Credits a new peer may use, millicredits.
+    pub allowance_millicredits: u64,
+    /// Debt past the allowance tolerated, millicredits.
+    pub debt_limit_millicredits: u64,
+    /// Lowest reputation admitted.
+    pub min_reputation: f64,
+}
+
+impl Accounts {
+    /// Opens everything from `store`; spawn the returned writer.
+    pub fn open(
+        store: Store,
+        keypair: Keypair,
+        policy: CreditPolicy,
+        misbehaviour: Misbehaviour,
+    ) -> Result<(Arc<Accounts>, LedgerWriter), LedgerError> {
+        let (ledger, writer) = Ledger::open(store.clone(), keypair.clone())?;
+        let mut claims = HashMap::new();
+        for (k, v) in store.scan(CLAIMS_TREE)? {
+            if let (Ok(id), Ok(c)) = (
+                <[u8; 16]>::try_from(k.as_slice()),
+                encoding::decode::<StoredClaim>(&v, 64 * 1024),
+            ) {
+                claims.insert(LeaseId(id), c);
+            }
+        }
+        let accounts = Accounts {
+            ledger,
+            reputation: Reputation::open(store.clone())?,
+            metered: UsageMeter::open(store.clone(), "metered")?,
+            observed: UsageMeter::open(store.clone(), "observed")?,
+            claims: Mutex::new(claims),
+            refused: Mutex::new(HashMap::new()),
+            answered: watch::channel(0).0,
+            store,
+            keypair,
+            allowance_millicredits: policy.allowance_millicredits,
+            debt_limit_millicredits: policy.debt_limit_millicredits,
+            min_reputation: policy.min_reputation,
+            misbehaviour,
+        };
+        Ok((Arc::new(accounts), writer))
+    }
+
+    fn claims(&self) -> std::sync::MutexGuard<'_, HashMap<LeaseId, StoredClaim>> {
+        self.claims.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// What `peer` has claimed from us and not settled, millicredits (disputed included).
+    pub fn unsettled_with(&self, peer: &PeerId) -> u64 {
+        self.claims()
+            .values()
+            .filter(|c| c.claim.receipt.requester == *peer)
+            .map(|c| c.claim.receipt.amount_millicredits)
+            .sum()
+    }
+
+    /// Unsettled claims: (pending, disputed).
+    pub fn claim_counts(&self) -> (usize, usize) {
+        let claims = self.claims();
+        let disputed = claims.values().filter(|c| c.disputed.is_some()).count();
+        (claims.len() - disputed, disputed)
+    }
+
+    /// Give-to-get standing of `peer` here, millicredits: the allowance, plus what it
+    /// provided to us, minus what it used here (settled or claimed).
+    pub fn standing(&self, peer: &PeerId) -> i128 {
+        let a = self.ledger.account(peer);
+        self.allowance_millicredits as i128 + a.spent as i128
+            - a.earned as i128
+            - self.unsettled_with(peer) as i128
+    }
+
+    /// Whether `peer` may take a lease that can cost up to `new_max` while its open
+    /// leases here can cost up to `open_exposure` (millicredits).
+    pub fn admit(&self, peer: &PeerId, open_exposure: u64, new_max: u64) -> Result<(), Rejection> {
+        let score = self.reputation.score(peer);
+        if score < self.min_reputation {
+            return Err(Rejection::new(
+                RejectCode::LowReputation,
+                format!(
+                    "your reputation with this provider is {score:.2}, below its minimum of {:.2} (after failed, disputed or mismatched work); it recovers with time",
+                    self.min_reputation
+                ),
+            ));
+        }
+        let standing = self.standing(peer);
+        let after = standing - open_exposure as i128 - new_max as i128;
+        if after < -(self.debt_limit_millicredits as i128) {
+            return Err(Rejection::new(
+                RejectCode::DebtLimit,
+                format!(
+                    "debt limit reached: your standing with this provider is {:.3} credits (allowance {:.3}, plus what you provided it, minus what you used or owe), your open leases here can cost {:.3} and this one {:.3}, which would take you past its debt limit of {:.3}; provide resources to others (gpunode serve) to earn credits, or ask for less",
+                    credits(standing),
+                    credits(self.allowance_millicredits),
+                    credits(open_exposure),
+                    credits(new_max),
+                    credits(self.debt_limit_millicredits),
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Provider side: signed receipts for ended leases that have neither a claim nor a
+    /// ledger entry, stored durably as claims. Returns them.
+    pub fn make_claims(&self, ended: &[LeaseRecord]) -> Vec<Claim> {
+        let mut made = Vec::new();
+        for record in ended {
+            let id = record.terms.lease_id;
+            if record.role != LeaseRole::Provider
+                || !matches!(record.state, LeaseState::Completed | LeaseState::Cancelled)
+                || self.claims().contains_key(&id)
+                || matches!(self.ledger.settled(&id), Ok(Some(_)))
+            {
+                continue;
+            }
+            let receipt = self.receipt_for(record);
+            let provider_sig = match receipt.sign(&self.keypair) {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::error!("cannot sign a receipt: {e}");
+                    continue;
+                }
+            };
+            let stored = StoredClaim {
+                claim: Claim {
+                    receipt,
+                    provider_sig,
+                },
+                disputed: None,
+            };
+            if let Err(e) = self
+                .store
+                .put(CLAIMS_TREE, &id.0, &encoding::encode(&stored))
+            {
+                tracing::error!("cannot store a claim: {e}");
+                continue;
+            }
+            made.push(stored.claim.clone());
+            self.claims().insert(id, stored);
+        }
+        if !made.is_empty() {
+            if let Err(e) = self.store.flush() {
+                tracing::error!("cannot flush claims: {e}");
+            }
+        }
+        made
+    }
+
+    /// The receipt for an ended lease, from what its jobs ran. Deterministic: the same
+    /// lease and usage always give the same receipt.
+    fn receipt_for(&self, record: &LeaseRecord) -> UsageReceipt {
+        let t = &record.terms;
+        let usage = self.metered.get(&t.lease_id);
+        let mut end_ms = record.updated_ms.clamp(t.start_ms, t.end_ms);
+        let mut billed_ms = usage.billed_ms.min(end_ms - t.start_ms);
+        if self.misbehaviour.inflate_billing > 1 {
+            // The cheat bills many times what ran, over the lease's whole term so the
+            // times still look plausible.
+            end_ms = t.end_ms;
+            billed_ms = (usage
+                .billed_ms
+                .saturating_mul(self.misbehaviour.inflate_billing)
+                + 5_000)
+                .min(end_ms - t.start_ms);
+        }
+        let gpus = t.gpus.len() as u32;
+        UsageReceipt {
+            version: RECEIPT_VERSION,
+            lease_id: t.lease_id,
+            provider: t.provider,
+            requester: t.requester,
+            gpus,
+            cpus: t.cpus,
+            mem_bytes: t.mem_bytes,
+            start_ms: t.start_ms,
+            end_ms,
+            billed_ms,
+            gpu_ms: billed_ms.saturating_mul(gpus as u64),
+            cpu_ms: billed_ms.saturating_mul(t.cpus as u64),
+            jobs: usage.jobs,
+            exit_status: usage.exit_status(),
+            output_digest: usage.output_digest(),
+            price_per_gpu_hour_millicredits: t.price_per_gpu_hour_millicredits,
+            amount_millicredits: amount_for(t.price_per_gpu_hour_millicredits, gpus, billed_ms),
+            issued_at_ms: end_ms,
+        }
+    }
+
+    /// Claims not yet answered (not disputed), by requester.
+    fn pending_claims(&self) -> HashMap<PeerId, Vec<Claim>> {
+        let mut out: HashMap<PeerId, Vec<Claim>> = HashMap::new();
+        for c in self.claims().values().filter(|c| c.disputed.is_none()) {
+            out.entry(c.claim.receipt.requester)
+                .or_default()
+                .push(c.claim.clone());
+        }
+        out
+    }
+
+    /// Provider side: the requester's answers to `claims`.
+    async fn on_results(&self, peer: PeerId, claims: Vec<Claim>, results: Vec<ClaimResult>) {
+        // All countersignatures in one batch; one by one only if it fails.
+        let bodies: Vec<Vec<u8>> = claims.iter().map(|c| c.receipt.canonical_bytes()).collect();
+        let batch: Vec<BatchItem<'_>> = claims
+            .iter()
+            .zip(&bodies)
+            .zip(&results)
+            .filter_map(|((c, body), r)| match r {
+                ClaimResult::Countersigned(sig) => Some(BatchItem {
+                    signer: &c.receipt.requester,
+                    tag: RECEIPT_SIGNING_TAG,
+                    body,
+                    signature: sig,
+                }),
+                ClaimResult::Rejected(_) => None,
+            })
+            .collect();
+        let all_valid = claims.iter().all(|c| c.receipt.requester == peer)
+            && signing::verify_batch(&batch).is_ok();
+        let mut settled = Vec::new();
+        for (claim, result) in claims.into_iter().zip(results) {
+            match result {
+                ClaimResult::Countersigned(sig)
+                    if all_valid || claim.receipt.verify(&peer, &sig).is_ok() =>
+                {
+                    settled.push(SettledReceipt {
+                        receipt: claim.receipt,
+                        provider_sig: claim.provider_sig,
+                        requester_sig: sig,
+                    });
+                }
+                ClaimResult::Countersigned(_) => {
+                    self.dispute(claim, "the countersignature does not verify".into());
+                }
+                ClaimResult::Rejected(r) if r.code == ReceiptRefusal::RequesterError => {
+                    tracing::info!(%peer, "requester could not settle now: {}", r.message);
+                }
+                ClaimResult::Rejected(r) => self.dispute(claim, r.message),
+            }
+        }
+        let leases: Vec<LeaseId> = settled.iter().map(|s| s.receipt.lease_id).collect();
+        let results = self.ledger.record(settled).await;
+        for (lease, r) in leases.into_iter().zip(results) {
+            match r {
+                Ok(_) => {
+                    self.forget_claim(&lease);
+                    self.metered.forget(&lease);
+                    self.reputation.record(peer, Outcome::Settled);
+                }
+                Err(e) => tracing::error!(%lease, "cannot record a settled receipt: {e}"),
+            }
+        }
+    }
+
+    fn dispute(&self, claim: Claim, reason: String) {
+        let peer = claim.receipt.requester;
+        let id = claim.receipt.lease_id;
+        tracing::warn!(%peer, lease = %id, "receipt disputed: {reason}");
+        let stored = StoredClaim {
+            claim,
+            disputed: Some(reason),
+        };
+        let _ = self
+            .store
+            .put(CLAIMS_TREE, &id.0, &encoding::encode(&stored));
+        self.claims().insert(id, stored);
+        self.reputation.record(peer, Outcome::DisputedReceipt);
+    }
+
+    fn forget_claim(&self, lease: &LeaseId) {
+        self.claims().remove(lease);
+        let _ = self.store.remove(CLAIMS_TREE, &lease.0);
+    }
+
+    /// Requester side: answers a batch of claims from `from`. Every countersigned
+    /// receipt is on disk before this returns.
+    pub async fn answer_claims(
+        &self,
+        node: &NodeHandle,
+        from: PeerId,
+        claims: Vec<Claim>,
+    ) -> Vec<ClaimResult> {
+        let local = self.ledger.local();
+        let ids = claims.iter().map(|c| c.receipt.lease_id).collect();
+        let mut leases = node.leases_by_id(ids).await.unwrap_or_default();
+        leases.resize(claims.len(), None);
+        let mut results: Vec<Option<ClaimResult>> = vec![None; claims.len()];
+        // All providers' signatures in one batch; one by one only if it fails.
+        let bodies: Vec<Vec<u8>> = claims.iter().map(|c| c.receipt.canonical_bytes()).collect();
+        let batch: Vec<BatchItem<'_>> = claims
+            .iter()
+            .zip(&bodies)
+            .map(|(c, body)| BatchItem {
+                signer: &from,
+                tag: RECEIPT_SIGNING_TAG,
+                body,
+                signature: &c.provider_sig,
+            })
+            .collect();
+        let all_signed = claims.iter().all(|c| c.receipt.provider == from)
+            && signing::verify_batch(&batch).is_ok();
+        let mut to_record = Vec::new();
+        let mut slots = Vec::new();
+        for (i, claim) in claims.iter().enumerate() {
+            let id = claim.receipt.lease_id;
+            match self.ledger.settled(&id) {
+                Ok(Some((_, s))) => {
+                    results[i] = Some(
+                        if s.receipt == claim.receipt && s.provider_sig == claim.provider_sig {
+                            ClaimResult::Countersigned(s.requester_sig)
+                        } else {
+                            ClaimResult::Rejected(ReceiptRejection::new(
+                                ReceiptRefusal::Duplicate,
+                                format!("lease {id} was settled before with another receipt"),
+                            ))
+                        },
+                    );
+                    continue;
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    results[i] = Some(requester_error(e));
+                    continue;
+                }
+            }
+            let observed = self.observed.get(&id);
+            let checked = super::checks::check_claim_with(
+                claim,
+                &from,
+                &local,
+                leases[i].as_ref(),
+                &observed,
+                all_signed,
+            );
+            match checked.and_then(|()| {
+                claim.receipt.sign(&self.keypair).map_err(|e| {
+                    ReceiptRejection::new(ReceiptRefusal::RequesterError, e.to_string())
+                })
+            }) {
+                Ok(sig) => {
+                    to_record.push(SettledReceipt {
+                        receipt: claim.receipt.clone(),
+                        provider_sig: claim.provider_sig.clone(),
+                        requester_sig: sig,
+                    });
+                    slots.push(i);
+                }
+                Err(r) => results[i] = Some(ClaimResult::Rejected(r)),
+            }
+        }
+        let recorded = self.ledger.record(to_record.clone()).await;
+        for ((i, settled), r) in slots.into_iter().zip(to_record).zip(recorded) {
+            results[i] = Some(match r {
+                Ok(Recorded::New(_)) | Ok(Recorded::AlreadyThere(_)) => {
+                    self.observed.forget(&settled.receipt.lease_id);
+                    ClaimResult::Countersigned(settled.requester_sig)
+                }
+                Err(e @ LedgerError::Duplicate { .. }) => ClaimResult::Rejected(
+                    ReceiptRejection::new(ReceiptRefusal::Duplicate, e.to_string()),
+                ),
+                Err(e) => requester_error(e),
+            });
+        }
+        let results: Vec<ClaimResult> = results
+            .into_iter()
+            .map(|r| r.unwrap_or_else(|| requester_error(LedgerError::Closed)))
+            .collect();
+        let mut disputed = false;
+        for (claim, r) in claims.iter().zip(&results) {
+            if let ClaimResult::Rejected(rej) = r {
+                if rej.code != ReceiptRefusal::RequesterError {
+                    self.refused
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .insert(claim.receipt.lease_id, rej.message.clone());
+                }
+            }
+            match r {
+                ClaimResult::Countersigned(_) => {
+                    node.metrics().receipts_settled.inc();
+                }
+                ClaimResult::Rejected(rej) => {
+                    node.metrics().receipt_rejected(rej.code.label());
+                    if rej.code != ReceiptRefusal::RequesterError {
+                        tracing::warn!(peer = %from, "refused a receipt: {}", rej.message);
+                        disputed = true;
+                    }
+                }
+            }
+        }
+        if disputed {
+            self.reputation.record(from, Outcome::DisputedReceipt);
+        }
+        self.answered.send_modify(|n| *n += 1);
+        results
+    }
+
+    /// Requester side: waits (at most `timeout`) until the receipt of `lease` is settled
+    /// or refused here.
+    pub async fn wait_receipt(&self, lease: &LeaseId, timeout: Duration) -> ReceiptStatus {
+        let mut answered = self.answered.subscribe();
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            if let Ok(Some((_, r))) = self.ledger.settled(lease) {
+                return ReceiptStatus::Settled(Box::new(r));
+            }
+            if let Some(why) = self
+                .refused
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get(lease)
+            {
+                return ReceiptStatus::Refused(why.clone());
+            }
+            if tokio::time::timeout_at(deadline, answered.changed())
+                .await
+                .is_err()
+            {
+                return ReceiptStatus::Pending;
+            }
+        }
+    }
+
+    /// Unsettled claims, for `gpunode ledger`.
+    pub fn unsettled(&self) -> Vec<UnsettledView> {
+        let mut v: Vec<UnsettledView> = self
+            .claims()
+            .values()
+            .map(|c| UnsettledView {
+                lease_id: c.claim.receipt.lease_id.to_string(),
+                peer: c.claim.receipt.requester.to_string(),
+                amount: credits(c.claim.receipt.amount_millicredits),
+                disputed: c.disputed.clone(),
+            })
+            .collect();
+        v.sort_by(|a, b| a.lease_id.cmp(&b.lease_id));
+        v
+    }
+}
+
+/// Where a lease's receipt stands for its requester.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ReceiptStatus {
+    /// Countersigned and in the ledger.
+    Settled(Box<SettledReceipt>),
+    /// Refused, with the reason.
+    Refused(String),
+    /// Not arrived yet.
+    Pending,
+}
+
+/// A claim that is not settled yet.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct UnsettledView {
+    /// The lease.
+    pub lease_id: String,
+    /// Who owes.
+    pub peer: String,
+    /// Credits claimed.
+    pub amount: f64,
+    /// Why the peer refused it, if it did.
+    pub disputed: Option<String>,
+}
+
+fn requester_error(e: LedgerError) -> ClaimResult {
+    ClaimResult::Rejected(ReceiptRejection::new(
+        ReceiptRefusal::RequesterError,
+        format!("cannot store the receipt now: {e}"),
+    ))
+}
+
+/// Requester side: serves inbound settle streams until `stop`.
+pub async fn serve_claims(
+    accounts: Arc<Accounts>,
+    node: NodeHandle,
+    mut incoming: libp2p_stream::IncomingStreams,
+    mut stop: watch::Receiver<bool>,
+) {
+    loop {
+        tokio::select! {
+            next = incoming.next() => match next {
+                Some((peer, stream)) => {
+                    let (a, n) = (accounts.clone(), node.clone());
+                    tokio::spawn(async move {
+                        let _ = tokio::time::timeout(EXCHANGE_TIMEOUT, answer_stream(&a, &n, peer, stream)).await;
+                    });
+                }
+                None => return,
+            },
+            _ = stop.changed() => return,
+        }
+    }
+}
+
+async fn answer_stream(accounts: &Accounts, node: &NodeHandle, peer: PeerId, stream: Stream) {
+    let (mut r, mut w) = AsyncReadExt::split(stream);
+    loop {
+        let reply = match wire::read_message::<_, SettleMsg>(&mut r).await {
+            Ok(SettleMsg::Claims(claims)) if claims.len() > MAX_CLAIMS_PER_MESSAGE => {
+                SettleReply::Refused(ReceiptRejection::new(
+                    ReceiptRefusal::Invalid,
+                    format!("at most {MAX_CLAIMS_PER_MESSAGE} claims per message"),
+                ))
+            }
+            Ok(SettleMsg::Claims(claims)) => {
+                SettleReply::Results(accounts.answer_claims(node, peer, claims).await)
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => break,
+            Err(e) => {
+                node.metrics().receipt_rejected("malformed");
+                SettleReply::Refused(ReceiptRejection::new(
+                    ReceiptRefusal::Invalid,
+                    format!("malformed settlement message: {e}"),
+                ))
+            }
+        };
+        let refused = matches!(reply, SettleReply::Refused(_));
+        if wire::write_message(&mut w, &reply).await.is_err() || w.flush().await.is_err() {
+            break;
+        }
+        if refused {
+            break;
+        }
+    }
+    let _ = w.close().await;
+}
+
+/// Provider side: makes claims for leases that end and settles them with their
+/// requesters, until `stop`.
+pub async fn run_claims(
+    accounts: Arc<Accounts>,
+    node: NodeHandle,
+    mut ended: mpsc::Receiver<LeaseRecord>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let (done_tx, mut done_rx) = mpsc::channel::<(PeerId, bool)>(256);
+    let mut in_flight: HashSet<PeerId> = HashSet::new();
+    let mut backoff: HashMap<PeerId, (tokio::time::Instant, Duration)> = HashMap::new();
+    let mut sweep = tokio::time::interval(SWEEP_EVERY);
+    let mut retry = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tokio::select! {
+            rec = ended.recv() => match rec {
+                Some(first) => {
+                    let mut batch = vec![first];
+                    while let Ok(r) = ended.try_recv() {
+                        batch.push(r);
+                    }
+                    let a = accounts.clone();
+                    let _ = tokio::task::spawn_blocking(move || a.make_claims(&batch)).await;
+                }
+                None => return,
+            },
+            _ = sweep.tick() => {
+                if let Ok(leases) = node.list_lease_records().await {
+                    let a = accounts.clone();
+                    let _ = tokio::task::spawn_blocking(move || a.make_claims(&leases)).await;
+                }
+            }
+            Some((peer, ok)) = done_rx.recv() => {
+                in_flight.remove(&peer);
+                if ok {
+                    backoff.remove(&peer);
+                } else {
+                    let next = backoff.get(&peer).map_or(FIRST_RETRY, |(_, d)| (*d * 2).min(MAX_RETRY));
+                    backoff.insert(peer, (tokio::time::Instant::now() + next, next));
+                }
+            }
+            _ = retry.tick() => {}
+            _ = stop.changed() => return,
+        }
+        let now = tokio::time::Instant::now();
+        for (peer, mut claims) in accounts.pending_claims() {
+            if in_flight.contains(&peer) || backoff.get(&peer).is_some_and(|(at, _)| *at > now) {
+                continue;
+            }
+            claims.truncate(MAX_CLAIMS_PER_MESSAGE);
+            in_flight.insert(peer);
+            let (a, n, done) = (accounts.clone(), node.clone(), done_tx.clone());
+            tokio::spawn(async move {
+                let ok = send_claims(&a, &n, peer, claims).await;
+                let _ = done.send((peer, ok)).await;
+            });
+        }
+    }
+}
+
+/// One exchange with a requester; true when it answered.
+async fn send_claims(
+    accounts: &Accounts,
+    node: &NodeHandle,
+    peer: PeerId,
+    claims: Vec<Claim>,
+) -> bool {
+    let exchange = async {
+        let stream = node.open_stream(peer, SETTLE_PROTOCOL).await?;
+        let (mut r, mut w) = AsyncReadExt::split(stream);
+        wire::write_message(&mut w, &SettleMsg::Claims(claims.clone()))
+            .await
+            .map_err(|e| crate::NodeError::Job(e.to_string()))?;
+        w.flush()
+            .await
+            .map_err(|e| crate::NodeError::Job(e.to_string()))?;
+        let reply = wire::read_message::<_, SettleReply>(&mut r)
+            .await
+            .map_err(|e| crate::NodeError::Job(e.to_string()))?;
+        let _ = w.close().await;
+        Ok::<_, crate::NodeError>(reply)
+    };
+    match tokio::time::timeout(EXCHANGE_TIMEOUT, exchange).await {
+        Ok(Ok(SettleReply::Results(results))) if results.len() == claims.len() => {
+            accounts.on_results(peer, claims, results).await;
+            true
+        }
+        Ok(Ok(SettleReply::Refused(r))) => {
+            tracing::warn!(%peer, "settlement refused: {}", r.message);
+            false
+        }
+        Ok(Ok(_)) => {
+            tracing::warn!(%peer, "settlement answer does not match the claims sent");
+            false
+        }
+        Ok(Err(e)) => {
+            tracing::debug!(%peer, "settlement failed: {e}");
+            false
+        }
+        Err(_) => {
+            tracing::debug!(%peer, "settlement timed out");
+            false
+        }
+    }
+}

@@ -1,0 +1,455 @@
+//! Credits between real nodes on 127.0.0.1: every lease ends with a receipt both ledgers
+//! hold; a provider that bills more than it ran and one that returns wrong outputs are
+//! caught and ranked down while honest providers get the work; hostile receipts are
+//! refused with a reason and change nothing; the debt limit refuses with a reason.
+
+use std::time::Duration;
+
+use futures::{AsyncReadExt, AsyncWriteExt};
+use gpunode_node::lease::negotiate::REPUTATION_FLOOR;
+use gpunode_node::ledger::reputation::NEUTRAL;
+use gpunode_node::ledger::settle::SETTLE_PROTOCOL;
+use gpunode_node::{Misbehaviour, NodeConfig, NodeHandle};
+use gpunode_protocol::encoding;
+use gpunode_protocol::lease::LeaseId;
+use gpunode_protocol::receipt::{
+    amount_for, lease_output_digest, Claim, ClaimResult, ReceiptRefusal, SettleMsg, SettleReply,
+    UsageReceipt, RECEIPT_VERSION,
+};
+use gpunode_protocol::time::now_ms;
+use testnet::jobs::{request, run_to_end, task};
+use testnet::ledger::{bare_lease, settled_leases};
+use testnet::{TestNet, TestNetConfig};
+
+const LONG: Duration = Duration::from_secs(120);
+
+/// Node 1 bills ten times what it ran, node 2 corrupts outputs; both are the cheapest.
+fn prices(i: usize, c: &mut NodeConfig) {
+    c.price_per_gpu_hour = match i {
+        1 => 0.2,
+        2 => 0.3,
+        _ => 1.0,
+    };
+}
+
+fn cheats(i: usize) -> Misbehaviour {
+    match i {
+        1 => Misbehaviour {
+            inflate_billing: 10,
+            ..Misbehaviour::default()
+        },
+        2 => Misbehaviour {
+            corrupt_outputs: true,
+            ..Misbehaviour::default()
+        },
+        _ => Misbehaviour::default(),
+    }
+}
+
+async fn until<T>(what: &str, mut f: impl FnMut() -> Option<T>) -> T {
+    let deadline = tokio::time::Instant::now() + LONG;
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "timed out: {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Both sides hold the same receipt for every lease the requester settled.
+async fn books_agree(client: &NodeHandle, providers: &[&NodeHandle]) -> usize {
+    let leases = settled_leases(client).expect("client ledger");
+    for id in &leases {
+        let (_, ours) = client
+            .accounts()
+            .ledger
+            .settled(id)
+            .expect("read")
+            .expect("settled");
+        let provider = providers
+            .iter()
+            .find(|p| p.peer_id() == ours.receipt.provider)
+            .expect("a provider of the network");
+        let theirs = until("the provider records the countersigned receipt", || {
+            provider.accounts().ledger.settled(id).ok().flatten()
+        })
+        .await;
+        assert_eq!(theirs.1, ours, "both ledgers hold the same receipt");
+    }
+    assert_eq!(
+        client.accounts().ledger.verify().expect("verify").first_bad,
+        None
+    );
+    for p in providers {
+        assert_eq!(
+            p.accounts().ledger.verify().expect("verify").first_bad,
+            None
+        );
+    }
+    leases.len()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cheats_are_caught_and_ranked_down_while_honest_providers_get_the_work() {
+    let mut config = TestNetConfig::new(vec![None; 4]);
+    config.tweak = Some(prices);
+    config.misbehaviour = Some(cheats);
+    let net = TestNet::start(config).await.expect("start");
+    let client = net.client().await.expect("client");
+    TestNet::wait_for_offers(
+        &client.handle,
+        &gpunode_protocol::advert::OfferFilter::default(),
+        LONG,
+        |o| o.len() == 4,
+    )
+    .await
+    .expect("offers");
+    let id = |i: usize| net.nodes[i].handle.peer_id().to_string();
+    let (liar, corrupter) = (id(1), id(2));
+    let honest = [id(0), id(3)];
+
+    let input = tempfile::tempdir().expect("tempdir");
+    std::fs::write(
+        input.path().join("data.bin"),
+        b"the same bytes for everyone",
+    )
+    .expect("write");
+    let run = |replicas: u32| {
+        let out = tempfile::tempdir().expect("tempdir");
+        let mut req = request(task("copy.wat"), out.path());
+        req.inputs = vec![input.path().join("data.bin")];
+        req.replicas = replicas;
+        (req, out)
+    };
+
+    // First job: the two cheapest are the cheats. The liar runs replica 1 and bills ten
+    // times its run time: refused. The corrupter runs replica 2 and disagrees: a third
+    // run on an honest provider breaks the tie.
+    let (req, out) = run(2);
+    let (_, end) = run_to_end(&client.handle, req, LONG).await.expect("job");
+    let summary = end.expect("the job succeeds");
+    assert_eq!(summary.exit_code, 0);
+    assert_eq!(
+        std::fs::read(out.path().join("copy.bin")).expect("output kept"),
+        b"the same bytes for everyone",
+        "the majority's (correct) outputs are kept"
+    );
+    let replicas: Vec<(&str, bool)> = summary
+        .replicas
+        .iter()
+        .map(|r| (r.provider.as_str(), r.agrees))
+        .collect();
+    assert_eq!(replicas.len(), 3, "{replicas:?}");
+    assert_eq!(replicas[0], (liar.as_str(), true));
+    assert_eq!(replicas[1], (corrupter.as_str(), false));
+    assert!(honest.contains(&replicas[2].0.to_string()) && replicas[2].1);
+    assert!(
+        summary.receipt.starts_with("refused") && summary.receipt.contains("bills"),
+        "the liar's receipt is refused: {}",
+        summary.receipt
+    );
+    assert!(!out.path().join(".replica-1").exists());
+    assert_eq!(
+        client.handle.metrics().receipt_rejected_count("inflated"),
+        1
+    );
+
+    let rep = |p: &str| {
+        client
+            .handle
+            .accounts()
+            .reputation
+            .score(&p.parse().expect("peer"))
+    };
+    assert!(rep(&liar) < REPUTATION_FLOOR, "liar {}", rep(&liar));
+    assert!(
+        rep(&corrupter) < REPUTATION_FLOOR,
+        "corrupter {}",
+        rep(&corrupter)
+    );
+    let peers = client.handle.peers_view();
+    let view = |p: &str| {
+        peers
+            .iter()
+            .find(|v| v.peer_id == p)
+            .expect("listed")
+            .clone()
+    };
+    assert_eq!(view(&liar).disputes, 1);
+    assert_eq!(view(&corrupter).mismatches, 1);
+
+    // The liar keeps its claim, disputed, and thinks less of the client.
+    let liar_node = &net.nodes[1].handle;
+    let claim = until("the liar learns its claim was refused", || {
+        liar_node
+            .accounts()
+            .unsettled()
+            .into_iter()
+            .find(|u| u.disputed.is_some())
+    })
+    .await;
+    assert_eq!(claim.peer, client.handle.peer_id().to_string());
+    assert!(
+        liar_node
+            .accounts()
+            .reputation
+            .score(&client.handle.peer_id())
+            < NEUTRAL
+    );
+
+    // From now on the honest providers get the work, however cheap the cheats are.
+    for _ in 0..2 {
+        let (req, _out) = run(2);
+        let (_, end) = run_to_end(&client.handle, req, LONG).await.expect("job");
+        let summary = end.expect("the job succeeds");
+        assert_eq!(summary.replicas.len(), 2, "{:?}", summary.replicas);
+        for r in &summary.replicas {
+            assert!(honest.contains(&r.provider), "{} got work", r.provider);
+            assert!(r.agrees);
+        }
+        assert_eq!(summary.receipt, "settled");
+    }
+    for h in &honest {
+        assert!(rep(h) > NEUTRAL);
+    }
+
+    // Every settled lease is in both books, the liar's is in neither.
+    let providers: Vec<&NodeHandle> = net.nodes.iter().map(|n| &n.handle).collect();
+    let settled = books_agree(&client.handle, &providers).await;
+    assert_eq!(
+        settled, 6,
+        "corrupter 1 + honest 1 + 2 jobs x 2 honest replicas"
+    );
+    assert!(settled_leases(liar_node).expect("ledger").is_empty());
+    let view = client.handle.ledger_view(10).expect("view");
+    assert!(view.balance <= 0.0 && (view.balance + view.spent).abs() < 1e-9);
+    net.shutdown().await;
+}
+
+/// Writes `msg` as one message frame of the settle protocol and reads the reply.
+async fn exchange(stream: libp2p::Stream, msg: &SettleMsg) -> SettleReply {
+    let (mut r, mut w) = stream.split();
+    let body = encoding::encode(msg);
+    let mut frame = vec![0u8];
+    frame.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    frame.extend_from_slice(&body);
+    w.write_all(&frame).await.expect("write");
+    w.flush().await.expect("flush");
+    let mut header = [0u8; 5];
+    r.read_exact(&mut header).await.expect("reply header");
+    let len = u32::from_le_bytes([header[1], header[2], header[3], header[4]]) as usize;
+    let mut body = vec![0; len];
+    r.read_exact(&mut body).await.expect("reply body");
+    encoding::decode(&body, 1 << 20).expect("reply decodes")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_receipts_are_refused_with_a_reason_and_change_nothing() {
+    let net = TestNet::start(TestNetConfig::new(vec![None]))
+        .await
+        .expect("start");
+    let provider = &net.nodes[0];
+    let key = provider
+        .data_dir()
+        .load_identity()
+        .expect("identity")
+        .expect("exists");
+    let client = net.client().await.expect("client");
+    let c = &client.handle;
+    let spec = bare_lease(&provider.handle.peer_id().to_string(), 60_000);
+    let first = c.request_lease(spec.clone()).await.expect("lease 1");
+    let second = c.request_lease(spec).await.expect("lease 2");
+    let first_id: LeaseId = first.lease_id.parse().expect("id");
+    let second_id: LeaseId = second.lease_id.parse().expect("id");
+
+    // An honest settlement first: cancelling lease 1 makes the provider claim it.
+    c.cancel_lease(&first.lease_id).await.expect("cancel");
+    let settled = c
+        .accounts()
+        .ledger
+        .wait_settled(&first_id, LONG)
+        .await
+        .expect("lease 1 settles");
+    assert_eq!(settled.receipt.amount_millicredits, 0, "no job ran");
+    let balance = c.accounts().ledger.balance();
+
+    let terms = c
+        .lease(&second_id)
+        .await
+        .expect("ask")
+        .expect("known")
+        .terms;
+    let base = UsageReceipt {
+        version: RECEIPT_VERSION,
+        lease_id: second_id,
+        provider: terms.provider,
+        requester: terms.requester,
+        gpus: 0,
+        cpus: terms.cpus,
+        mem_bytes: terms.mem_bytes,
+        start_ms: terms.start_ms,
+        end_ms: now_ms(),
+        billed_ms: 0,
+        gpu_ms: 0,
+        cpu_ms: 0,
+        jobs: 0,
+        exit_status: "none".into(),
+        output_digest: lease_output_digest(&[]),
+        price_per_gpu_hour_millicredits: terms.price_per_gpu_hour_millicredits,
+        amount_millicredits: 0,
+        issued_at_ms: now_ms(),
+    };
+    let claim = |r: UsageReceipt| Claim {
+        provider_sig: r.sign(&key).expect("sign"),
+        receipt: r,
+    };
+    let mut bad_sig = claim(base.clone());
+    bad_sig.provider_sig[7] ^= 1;
+    let unknown = claim(UsageReceipt {
+        lease_id: LeaseId([0xab; 16]),
+        ..base.clone()
+    });
+    let billed = 60_000;
+    let inflated = claim(UsageReceipt {
+        end_ms: terms.end_ms,
+        billed_ms: billed,
+        cpu_ms: billed * terms.cpus as u64,
+        amount_millicredits: amount_for(terms.price_per_gpu_hour_millicredits, 0, billed),
+        ..base.clone()
+    });
+    let outside = claim(UsageReceipt {
+        start_ms: terms.start_ms - 3_600_000,
+        ..base.clone()
+    });
+    let duplicate = claim(UsageReceipt {
+        exit_status: "exited 0".into(),
+        ..settled.receipt.clone()
+    });
+    let replay_of_settled = Claim {
+        receipt: settled.receipt.clone(),
+        provider_sig: settled.provider_sig.clone(),
+    };
+    let stream = provider
+        .handle
+        .open_stream(c.peer_id(), SETTLE_PROTOCOL)
+        .await
+        .expect("stream");
+    let reply = exchange(
+        stream,
+        &SettleMsg::Claims(vec![
+            bad_sig,
+            unknown,
+            inflated,
+            outside,
+            duplicate,
+            replay_of_settled,
+        ]),
+    )
+    .await;
+    let SettleReply::Results(results) = reply else {
+        panic!("expected results, got {reply:?}")
+    };
+    let codes: Vec<Option<ReceiptRefusal>> = results
+        .iter()
+        .map(|r| match r {
+            ClaimResult::Rejected(rej) => {
+                assert!(rej.message.len() > 10, "a reason is given: {rej:?}");
+                Some(rej.code)
+            }
+            ClaimResult::Countersigned(_) => None,
+        })
+        .collect();
+    assert_eq!(
+        codes,
+        vec![
+            Some(ReceiptRefusal::BadSignature),
+            Some(ReceiptRefusal::UnknownLease),
+            Some(ReceiptRefusal::Inflated),
+            Some(ReceiptRefusal::TimesOutsideLease),
+            Some(ReceiptRefusal::Duplicate),
+            None,
+        ]
+    );
+    assert_eq!(
+        results[5],
+        ClaimResult::Countersigned(settled.requester_sig.clone()),
+        "a resent settled receipt gets the same countersignature"
+    );
+    assert_eq!(c.accounts().ledger.balance(), balance, "no balance changed");
+    assert_eq!(c.accounts().ledger.head().seq, 1);
+    assert!(c.accounts().reputation.score(&provider.handle.peer_id()) < NEUTRAL);
+    for reason in [
+        "bad_signature",
+        "unknown_lease",
+        "inflated",
+        "times_outside_lease",
+        "duplicate",
+    ] {
+        assert_eq!(c.metrics().receipt_rejected_count(reason), 1, "{reason}");
+    }
+
+    // Garbage on the settle protocol is refused and the node keeps settling.
+    let stream = provider
+        .handle
+        .open_stream(c.peer_id(), SETTLE_PROTOCOL)
+        .await
+        .expect("stream");
+    let (mut r, mut w) = stream.split();
+    w.write_all(&[0, 4, 0, 0, 0, 0xff, 0xff, 0xff, 0xff])
+        .await
+        .expect("write");
+    w.flush().await.expect("flush");
+    let mut answer = Vec::new();
+    let _ = r.read_to_end(&mut answer).await;
+    assert!(!answer.is_empty(), "a refusal comes back");
+    c.cancel_lease(&second.lease_id).await.expect("cancel 2");
+    c.accounts()
+        .ledger
+        .wait_settled(&second_id, LONG)
+        .await
+        .expect("lease 2 settles honestly");
+    let providers = [&provider.handle];
+    assert_eq!(books_agree(c, &providers).await, 2);
+    net.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_debt_limit_refuses_with_a_reason() {
+    fn small_allowance(_: usize, c: &mut NodeConfig) {
+        c.allowance = 0.5;
+        c.debt_limit = 0.0;
+    }
+    let mut config = TestNetConfig::new(vec![None]);
+    config.tweak = Some(small_allowance);
+    let net = TestNet::start(config).await.expect("start");
+    let client = net.client().await.expect("client");
+    let provider = net.nodes[0].handle.peer_id().to_string();
+    // An hour at 1 credit could cost 1 credit: more than the allowance.
+    let err = client
+        .handle
+        .request_lease(bare_lease(&provider, 3_600_000))
+        .await
+        .expect_err("refused");
+    assert!(err.to_string().contains("debt limit"), "{err}");
+    // 20 minutes (a third of a credit) fits; a second one on top does not.
+    client
+        .handle
+        .request_lease(bare_lease(&provider, 1_200_000))
+        .await
+        .expect("fits the allowance");
+    let err = client
+        .handle
+        .request_lease(bare_lease(&provider, 1_200_000))
+        .await
+        .expect_err("open leases count");
+    assert!(err.to_string().contains("debt limit"), "{err}");
+    assert_eq!(
+        net.nodes[0]
+            .handle
+            .metrics()
+            .lease_rejected_count("debt_limit"),
+        2
+    );
+    net.shutdown().await;
+}
