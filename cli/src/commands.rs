@@ -41,6 +41,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
         Command::Cancel(args) => crate::jobs::cancel(data_dir, args).await,
         Command::Ledger(args) => crate::ledger::ledger(data_dir, config, args).await,
         Command::Peers(args) => crate::ledger::peers(data_dir, config, args.json).await,
+        Command::Team(cmd) => crate::team::team(data_dir, cmd).await,
         Command::Id => {
             let key = data_dir.load_or_create_identity()?;
             println!("{}", key.public().to_peer_id());

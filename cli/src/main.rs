@@ -9,6 +9,7 @@ mod commands;
 mod jobs;
 mod ledger;
 mod output;
+mod team;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -59,6 +60,56 @@ enum Command {
     Ledger(LedgerArgs),
     /// Known peers with reputation, jobs done for us, failures, disputes and balance.
     Peers(PeersArgs),
+    /// Private team networks: create, invite, join, members, add, revoke, leave.
+    #[command(subcommand)]
+    Team(TeamCommand),
+}
+
+#[derive(Debug, Subcommand)]
+enum TeamCommand {
+    /// Make a team key on this machine (its admin) and print the team id.
+    Create {
+        /// A name for the team (shown locally).
+        name: String,
+    },
+    /// Print a join token for a new machine (needs the running daemon).
+    Invite {
+        /// How long the token works, e.g. 7d, 12h.
+        #[arg(long, value_name = "DURATION", default_value = "7d")]
+        expires: String,
+        /// How many machines may join with it.
+        #[arg(long, value_name = "N", default_value_t = 1)]
+        uses: u32,
+        /// member or admin.
+        #[arg(long, default_value = "member")]
+        role: String,
+    },
+    /// Join the team of TOKEN (with the daemon stopped).
+    Join {
+        /// The token `gpunode team invite` printed.
+        token: String,
+    },
+    /// List the team's members.
+    Members {
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Admit a known peer id without a token (admins).
+    Add {
+        /// The peer id.
+        peer: String,
+        /// member or admin.
+        #[arg(long, default_value = "member")]
+        role: String,
+    },
+    /// Revoke a member (admins): it loses access and its leases.
+    Revoke {
+        /// The peer id.
+        peer: String,
+    },
+    /// Leave the team (with the daemon stopped).
+    Leave,
 }
 
 #[derive(Debug, Args)]

@@ -20,6 +20,7 @@ pub mod ledger;
 pub mod metrics;
 pub mod network;
 pub mod store;
+pub mod team;
 pub mod views;
 
 use std::sync::Arc;
@@ -125,6 +126,9 @@ pub enum NodeError {
     /// The ledger could not be opened.
     #[error(transparent)]
     Ledger(#[from] ledger::LedgerError),
+    /// The team files could not be used.
+    #[error(transparent)]
+    Team(#[from] team::TeamOpError),
     /// The node has stopped.
     #[error("the node has stopped")]
     Stopped,
@@ -139,6 +143,7 @@ pub struct NodeHandle {
     metrics: Arc<Metrics>,
     jobs: Arc<JobsContext>,
     accounts: Arc<Accounts>,
+    team: Option<Arc<team::service::Team>>,
 }
 
 /// What the job side of a node shares: streams, the sandbox, this user's jobs.
@@ -163,6 +168,22 @@ impl NodeHandle {
     /// The node's metrics.
     pub fn metrics(&self) -> &Arc<Metrics> {
         &self.metrics
+    }
+
+    /// The node's team, when it is in one.
+    pub fn team(&self) -> Option<&Arc<team::service::Team>> {
+        self.team.as_ref()
+    }
+
+    /// A control for raw streams of any protocol.
+    pub fn stream_control(&self) -> libp2p_stream::Control {
+        self.jobs.control.clone()
+    }
+
+    /// Tells the event loop who may connect (team mode): the others are dropped and
+    /// their leases cancelled.
+    pub async fn set_team_allowed(&self, peers: std::collections::HashSet<PeerId>) {
+        let _ = self.commands.send(Command::TeamAllowed { peers }).await;
     }
 
     /// The node's ledger, reputation and usage meters.
@@ -283,7 +304,9 @@ impl NodeHandle {
 
     /// The node's status.
     pub async fn status(&self) -> Result<NodeStatus, NodeError> {
-        self.ask(Command::Status).await
+        let mut status = self.ask(Command::Status).await?;
+        status.team = self.team.as_ref().map(|t| t.state().team.to_string());
+        Ok(status)
     }
 
     /// Providers whose verified, unexpired adverts match `filter`.
@@ -358,6 +381,7 @@ impl Node {
         };
         let first_snapshot = read_inventory(&inventory).await;
 
+        let team = team::service::Team::load(opts.data_dir.root().to_path_buf(), keypair.clone())?;
         let mut swarm = network::build_swarm(
             keypair.clone(),
             &network::SwarmSettings {
@@ -365,6 +389,7 @@ impl Node {
                 idle_connection_timeout: config.idle_connection_timeout,
                 provider_record_ttl: config.advert_ttl * 2,
                 server: opts.role == Role::Provider,
+                team: team.as_ref().map(|t| (t.state().team, t.allowed())),
             },
         )?;
         let listen = if opts.role == Role::Client {
@@ -409,6 +434,7 @@ impl Node {
                 table: jobs::table::JobTable::default(),
             }),
             accounts: accounts.clone(),
+            team: team.clone(),
         };
         let lease_jobs = jobs::LeaseJobs::default();
         let (stop_tasks, stop_rx) = watch::channel(false);
@@ -436,7 +462,16 @@ impl Node {
             )));
         }
 
-        event_loop::dial_bootstrap(&mut swarm, &config.bootstrap);
+        let mut bootstrap = config.bootstrap.clone();
+        if let Some(t) = &team {
+            bootstrap.extend(t.state().bootstrap.iter().filter_map(|a| a.parse().ok()));
+            tasks.push(tokio::spawn(team::service::run(
+                t.clone(),
+                handle.clone(),
+                stop_rx.clone(),
+            )));
+        }
+        event_loop::dial_bootstrap(&mut swarm, &bootstrap);
 
         tasks.push(tokio::spawn(ledger_writer.run(stop_rx.clone())));
         let settle_incoming = control
@@ -540,6 +575,10 @@ impl Node {
             lease_jobs: lease_jobs.clone(),
             accounts,
             ended_leases: ended_tx,
+            kad_protocol: match &team {
+                Some(t) => t.state().kad_protocol(),
+                None => network::KAD_PROTOCOL,
+            },
         });
         let event_loop = tokio::spawn(event_loop.run());
         Ok(Node {

@@ -15,8 +15,10 @@ use libp2p::kad::store::{MemoryStore, MemoryStoreConfig};
 use libp2p::swarm::behaviour::toggle::Toggle;
 use libp2p::swarm::NetworkBehaviour;
 use libp2p::{
-    identify, kad, mdns, noise, ping, request_response, tcp, yamux, StreamProtocol, Swarm,
+    allow_block_list, identify, kad, mdns, noise, ping, request_response, tcp, yamux, PeerId,
+    StreamProtocol, Swarm,
 };
+use std::collections::HashSet;
 
 use crate::lease::codec::{LeaseCodec, LEASE_PROTOCOL};
 
@@ -33,6 +35,9 @@ pub struct NetworkSetupError(String);
 /// All protocols a node runs.
 #[derive(NetworkBehaviour)]
 pub struct NodeBehaviour {
+    /// In a team: only members (and open invites' join identities) may connect; anyone
+    /// else is dropped right after the handshake, before any other protocol runs.
+    pub allow: Toggle<allow_block_list::Behaviour<allow_block_list::AllowedPeers>>,
     /// Peer and record routing.
     pub kad: kad::Behaviour<MemoryStore>,
     /// Exchange of listen addresses and protocols.
@@ -58,6 +63,8 @@ pub struct SwarmSettings {
     pub provider_record_ttl: Duration,
     /// Kademlia server mode (answers queries, stores records) or client only.
     pub server: bool,
+    /// A private team: its id (names its Kademlia protocol) and the peers allowed now.
+    pub team: Option<(gpunode_protocol::team::TeamId, HashSet<PeerId>)>,
 }
 
 /// Builds the swarm for `key` with every protocol configured.
@@ -86,7 +93,11 @@ pub fn build_swarm(
                     max_provided_keys: 256,
                 },
             );
-            let mut kad_config = kad::Config::new(KAD_PROTOCOL);
+            let kad_protocol = match &settings.team {
+                Some((team, _)) => crate::team::team_protocol(team, "kad"),
+                None => KAD_PROTOCOL,
+            };
+            let mut kad_config = kad::Config::new(kad_protocol);
             kad_config
                 .set_record_filtering(kad::StoreInserts::FilterBoth)
                 .set_query_timeout(Duration::from_secs(10))
@@ -121,7 +132,16 @@ pub fn build_swarm(
                     .with_request_timeout(Duration::from_secs(10))
                     .with_max_concurrent_streams(256),
             );
+            let allow = settings.team.as_ref().map(|(_, peers)| {
+                let mut allow =
+                    allow_block_list::Behaviour::<allow_block_list::AllowedPeers>::default();
+                for p in peers {
+                    allow.allow_peer(*p);
+                }
+                allow
+            });
             Ok(NodeBehaviour {
+                allow: Toggle::from(allow),
                 kad,
                 identify,
                 ping: ping::Behaviour::default(),

@@ -105,6 +105,12 @@ pub struct NodeStatus {
     pub advert: AdvertStatus,
     /// Local GPUs.
     pub inventory: InventorySnapshot,
+    /// Addresses peers can reach it at (concrete interface addresses), with `/p2p/ID`.
+    #[serde(default)]
+    pub external_addrs: Vec<String>,
+    /// The team it belongs to, if any.
+    #[serde(default)]
+    pub team: Option<String>,
 }
 
 /// A lease as people and scripts see it.

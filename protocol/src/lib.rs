@@ -11,6 +11,7 @@ pub mod job;
 pub mod lease;
 pub mod receipt;
 pub mod signing;
+pub mod team;
 pub mod time;
 pub mod units;
 

@@ -8,7 +8,8 @@
 //! `GET /v1/jobs`, `POST /v1/jobs` (a [`crate::jobs::JobRequest`]), `GET /v1/jobs/{id}`,
 //! `GET /v1/jobs/{id}/events?from=N&wait_ms=M` (long poll), `POST /v1/jobs/{id}/cancel`,
 //! `GET /v1/ledger?recent=N`, `GET /v1/ledger/verify`, `GET /v1/ledger/export?format=csv|json`,
-//! `GET /v1/peers`, `GET /metrics`.
+//! `GET /v1/peers`, `GET /v1/team`, `POST /v1/team/invite` (role, uses, expires_ms),
+//! `POST /v1/team/add` and `POST /v1/team/revoke` (`{"peer": ID}`), `GET /metrics`.
 
 mod client;
 
@@ -280,6 +281,74 @@ async fn peers(State(node): State<NodeHandle>) -> Json<Vec<crate::ledger::views:
     Json(node.peers_view())
 }
 
+/// Body of `POST /v1/team/invite`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct InviteBody {
+    /// Role of the joiner.
+    pub role: gpunode_protocol::team::Role,
+    /// How many joins it allows.
+    pub uses: u32,
+    /// When it expires, unix ms.
+    pub expires_ms: u64,
+}
+
+/// Body of `POST /v1/team/add` and `/v1/team/revoke`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct MemberBody {
+    /// The peer.
+    pub peer: String,
+    /// Role (for add).
+    #[serde(default)]
+    pub role: Option<gpunode_protocol::team::Role>,
+}
+
+fn team_error(e: crate::team::TeamOpError) -> Response {
+    (StatusCode::BAD_REQUEST, e.to_string()).into_response()
+}
+
+fn parse_peer(text: &str) -> Result<libp2p::PeerId, String> {
+    text.trim()
+        .parse()
+        .map_err(|_| format!("'{text}' is not a peer id (12D3KooW...)"))
+}
+
+async fn team(State(node): State<NodeHandle>) -> Response {
+    match node.team_view().await {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => team_error(e),
+    }
+}
+
+async fn team_invite(State(node): State<NodeHandle>, Json(b): Json<InviteBody>) -> Response {
+    match node.team_invite_here(b.role, b.uses, b.expires_ms).await {
+        Ok(token) => Json(serde_json::json!({ "token": token.encode() })).into_response(),
+        Err(e) => team_error(e),
+    }
+}
+
+async fn team_add(State(node): State<NodeHandle>, Json(b): Json<MemberBody>) -> Response {
+    let peer = match parse_peer(&b.peer) {
+        Ok(p) => p,
+        Err(m) => return (StatusCode::BAD_REQUEST, m).into_response(),
+    };
+    let role = b.role.unwrap_or(gpunode_protocol::team::Role::Member);
+    match node.team_add(peer, role).await {
+        Ok(()) => Json(serde_json::json!({ "added": peer.to_string() })).into_response(),
+        Err(e) => team_error(e),
+    }
+}
+
+async fn team_revoke(State(node): State<NodeHandle>, Json(b): Json<MemberBody>) -> Response {
+    let peer = match parse_peer(&b.peer) {
+        Ok(p) => p,
+        Err(m) => return (StatusCode::BAD_REQUEST, m).into_response(),
+    };
+    match node.team_revoke(peer).await {
+        Ok(()) => Json(serde_json::json!({ "revoked": peer.to_string() })).into_response(),
+        Err(e) => team_error(e),
+    }
+}
+
 async fn metrics_text(metrics: Arc<Metrics>) -> Response {
     (
         [(
@@ -312,6 +381,10 @@ pub async fn serve_unix(listener: UnixListener, node: NodeHandle, mut stop: watc
         .route("/v1/ledger/verify", get(verify_ledger))
         .route("/v1/ledger/export", get(export_ledger))
         .route("/v1/peers", get(peers))
+        .route("/v1/team", get(team))
+        .route("/v1/team/invite", axum::routing::post(team_invite))
+        .route("/v1/team/add", axum::routing::post(team_add))
+        .route("/v1/team/revoke", axum::routing::post(team_revoke))
         .route("/metrics", get(move || metrics_text(metrics.clone())))
         .with_state(node);
     let _ = axum::serve(listener, app)

@@ -44,7 +44,7 @@ use crate::inventory::InventorySnapshot;
 use crate::lease::book::SignedRenewal;
 use crate::lease::{LeaseBook, LeaseRecord};
 use crate::metrics::Metrics;
-use crate::network::{NodeBehaviour, NodeBehaviourEvent, KAD_PROTOCOL};
+use crate::network::{NodeBehaviour, NodeBehaviourEvent};
 use crate::store::Store;
 use crate::views::{AdvertStatus, NodeStatus, OfferSearch};
 use gpunode_protocol::gpu::GpuState;
@@ -101,6 +101,10 @@ pub(crate) enum Command {
         reply: oneshot::Sender<Result<LeaseRecord, String>>,
     },
     ListLeases(oneshot::Sender<Vec<LeaseRecord>>),
+    /// Team mode: exactly these peers may connect.
+    TeamAllowed {
+        peers: std::collections::HashSet<PeerId>,
+    },
     /// These leases by id (`None` where unknown), in order.
     GetLeases {
         ids: Vec<gpunode_protocol::lease::LeaseId>,
@@ -150,6 +154,8 @@ pub(crate) struct EventLoop {
     ended_leases: mpsc::Sender<LeaseRecord>,
     /// Last ping round trip per connected peer.
     rtts: HashMap<PeerId, Duration>,
+    /// Kademlia's protocol name (the public one, or the team's).
+    kad_protocol: libp2p::StreamProtocol,
 }
 
 /// How the loop is set up.
@@ -171,6 +177,8 @@ pub(crate) struct LoopParts {
     pub accounts: Arc<crate::Accounts>,
     /// Leases we provided that ended, for settlement.
     pub ended_leases: mpsc::Sender<LeaseRecord>,
+    /// Kademlia's protocol name.
+    pub kad_protocol: libp2p::StreamProtocol,
 }
 
 impl EventLoop {
@@ -214,6 +222,7 @@ impl EventLoop {
             accounts: parts.accounts,
             ended_leases: parts.ended_leases,
             rtts: HashMap::new(),
+            kad_protocol: parts.kad_protocol,
         }
     }
 
@@ -309,11 +318,43 @@ impl EventLoop {
             Command::IsConnected { peer, reply } => {
                 let _ = reply.send(self.connections.contains_key(&peer));
             }
+            Command::TeamAllowed { peers } => self.set_team_allowed(peers),
             Command::GetLeases { ids, reply } => {
                 let _ = reply.send(ids.iter().map(|id| self.leases.get(id).cloned()).collect());
             }
             Command::ListLeases(reply) => {
                 let _ = reply.send(self.leases.all().into_iter().cloned().collect());
+            }
+        }
+    }
+
+    /// Team mode: lets exactly `peers` connect; drops the others and cancels their leases.
+    fn set_team_allowed(&mut self, peers: std::collections::HashSet<PeerId>) {
+        let Some(allow) = self.swarm.behaviour_mut().allow.as_mut() else {
+            return;
+        };
+        let current: Vec<PeerId> = allow.allowed_peers().iter().copied().collect();
+        for p in &peers {
+            allow.allow_peer(*p);
+        }
+        let gone: Vec<PeerId> = current.into_iter().filter(|p| !peers.contains(p)).collect();
+        for p in &gone {
+            allow.disallow_peer(*p);
+        }
+        for p in gone {
+            tracing::info!(peer = %p, "no longer a member of the team: disconnected");
+            self.swarm.behaviour_mut().kad.remove_peer(&p);
+            let leases: Vec<String> = self
+                .leases
+                .all()
+                .into_iter()
+                .filter(|l| l.peer() == p && l.state.holds_resources())
+                .map(|l| l.terms.lease_id.to_string())
+                .collect();
+            for id in leases {
+                if let Err(e) = self.cancel_local(&id) {
+                    tracing::warn!(lease = %id, "cannot cancel a lease of a former member: {}", e.message);
+                }
             }
         }
     }
@@ -332,6 +373,12 @@ impl EventLoop {
                 .map(|o| o.status.clone())
                 .unwrap_or_default(),
             inventory: self.inventory.clone(),
+            external_addrs: self
+                .swarm
+                .external_addresses()
+                .map(|a| format!("{a}/p2p/{}", self.local_peer))
+                .collect(),
+            team: None,
         }
     }
 
@@ -566,7 +613,7 @@ impl EventLoop {
                 peer_id,
                 info,
                 ..
-            })) if info.protocols.contains(&KAD_PROTOCOL) => {
+            })) if info.protocols.contains(&self.kad_protocol) => {
                 for addr in info.listen_addrs {
                     self.swarm.behaviour_mut().kad.add_address(&peer_id, addr);
                 }

@@ -1,0 +1,201 @@
+//! `gpunode team ...`: create a private team, invite, join, list, add, revoke, leave.
+//! Joining and leaving change who a node talks to, so they need the daemon stopped;
+//! invites need it running (it answers the join); the rest work either way.
+
+use std::io::Write;
+use std::process::ExitCode;
+
+use anyhow::{bail, Context, Result};
+use gpunode_node::api::{ApiClient, InviteBody, MemberBody};
+use gpunode_node::team::service::TeamView;
+use gpunode_node::team::TeamState;
+use gpunode_node::DataDir;
+use gpunode_protocol::team::{InviteToken, Role};
+use gpunode_protocol::time::now_ms;
+use gpunode_protocol::units::parse_duration;
+
+use crate::output::short_peer;
+use crate::TeamCommand;
+
+/// Runs one `gpunode team` subcommand.
+pub async fn team(data_dir: DataDir, cmd: TeamCommand) -> Result<ExitCode> {
+    let api = ApiClient::new(&data_dir.api_socket());
+    let daemon = api.is_running().await;
+    let root = data_dir.root().to_path_buf();
+    match cmd {
+        TeamCommand::Create { name } => {
+            if daemon {
+                bail!("stop the daemon first (a node joins its team network when it starts), then run gpunode team create again");
+            }
+            let key = data_dir.load_or_create_identity()?;
+            let state = TeamState::create(&root, &name, &key, now_ms())?;
+            println!("{}", state.team);
+            eprintln!(
+                "Created team '{}'; this node is its admin and holds the team key ({}/team/team.key, keep it safe).\nStart the node (gpunode serve), then invite machines with gpunode team invite.",
+                state.name,
+                root.display()
+            );
+        }
+        TeamCommand::Invite {
+            expires,
+            uses,
+            role,
+        } => {
+            if !daemon {
+                bail!("gpunode team invite needs the running daemon (gpunode serve): it answers the join");
+            }
+            let role: Role = role.parse()?;
+            let expires =
+                parse_duration(&expires).map_err(|e| anyhow::anyhow!("invalid --expires: {e}"))?;
+            if expires.is_zero() {
+                bail!("invalid --expires: it must be longer than 0");
+            }
+            let body = InviteBody {
+                role,
+                uses,
+                expires_ms: now_ms() + expires.as_millis() as u64,
+            };
+            let reply: serde_json::Value = api.post_json("/v1/team/invite", &body).await?;
+            let token = reply["token"].as_str().context("no token in the answer")?;
+            println!("{token}");
+            eprintln!(
+                "On the new machine: gpunode team join <token>  (valid {}, {} use(s), role {:?})",
+                humanize(expires),
+                uses,
+                role
+            );
+        }
+        TeamCommand::Join { token } => {
+            if daemon {
+                bail!("stop the daemon first, then join; start it again afterwards");
+            }
+            let token = InviteToken::decode(&token)?;
+            token.check_fresh(now_ms())?;
+            let key = data_dir.load_or_create_identity()?;
+            let state = gpunode_node::team::join::join(&root, &key, &token).await?;
+            println!("{}", state.team);
+            eprintln!(
+                "Joined team {} as {:?} ({} members known). Start the node with gpunode serve: it joins the team network.",
+                state.team.short(),
+                state.own.cert.role,
+                state.members.len()
+            );
+        }
+        TeamCommand::Members { json } => {
+            let view: TeamView = if daemon {
+                api.get_json("/v1/team").await?
+            } else {
+                let state =
+                    TeamState::load(&root)?.ok_or(gpunode_node::team::TeamOpError::NoTeam)?;
+                TeamView::of(&state, &Default::default())
+            };
+            if json {
+                println!("{}", serde_json::to_string_pretty(&view)?);
+            } else {
+                print_team(&mut std::io::stdout().lock(), &view)?;
+            }
+        }
+        TeamCommand::Add { peer, role } => {
+            let role: Role = role.parse()?;
+            if daemon {
+                let _: serde_json::Value = api
+                    .post_json(
+                        "/v1/team/add",
+                        &MemberBody {
+                            peer: peer.clone(),
+                            role: Some(role),
+                        },
+                    )
+                    .await?;
+            } else {
+                let peer_id = peer
+                    .trim()
+                    .parse()
+                    .map_err(|_| anyhow::anyhow!("'{peer}' is not a peer id (12D3KooW...)"))?;
+                let mut state =
+                    TeamState::load(&root)?.ok_or(gpunode_node::team::TeamOpError::NoTeam)?;
+                let key = data_dir.load_or_create_identity()?;
+                let team_key = TeamState::team_keypair(&root)?;
+                let cert = state.issue(peer_id, role, &key, team_key.as_ref(), now_ms())?;
+                state.admit(cert, now_ms())?;
+                state.save(&root)?;
+            }
+            eprintln!("Added {} to the team as {role:?}.", short_peer(&peer));
+        }
+        TeamCommand::Revoke { peer } => {
+            if daemon {
+                let _: serde_json::Value = api
+                    .post_json(
+                        "/v1/team/revoke",
+                        &MemberBody {
+                            peer: peer.clone(),
+                            role: None,
+                        },
+                    )
+                    .await?;
+            } else {
+                let peer_id = peer
+                    .trim()
+                    .parse()
+                    .map_err(|_| anyhow::anyhow!("'{peer}' is not a peer id (12D3KooW...)"))?;
+                let mut state =
+                    TeamState::load(&root)?.ok_or(gpunode_node::team::TeamOpError::NoTeam)?;
+                let key = data_dir.load_or_create_identity()?;
+                let team_key = TeamState::team_keypair(&root)?;
+                state.revoke(peer_id, &key, team_key.as_ref(), now_ms())?;
+                state.save(&root)?;
+            }
+            eprintln!(
+                "Revoked {}: members drop it as the revocation reaches them (within about {} s).",
+                short_peer(&peer),
+                2 * gpunode_node::team::service::SYNC_EVERY.as_secs()
+            );
+        }
+        TeamCommand::Leave => {
+            if daemon {
+                bail!("stop the daemon first, then leave the team");
+            }
+            TeamState::leave(&root)?;
+            eprintln!("Left the team; this node is on the public network again.");
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn humanize(d: std::time::Duration) -> String {
+    let s = d.as_secs();
+    match s {
+        s if s % 86_400 == 0 => format!("{}d", s / 86_400),
+        s if s % 3600 == 0 => format!("{}h", s / 3600),
+        s if s % 60 == 0 => format!("{}m", s / 60),
+        s => format!("{s}s"),
+    }
+}
+
+fn print_team(out: &mut impl Write, v: &TeamView) -> std::io::Result<()> {
+    writeln!(
+        out,
+        "Team {} ({}), this node: {:?}",
+        v.team_id, v.name, v.role
+    )?;
+    writeln!(
+        out,
+        "{:<54} {:<7} {:<9} {:<8} EXPIRES (unix ms)",
+        "PEER", "ROLE", "CONNECTED", "REVOKED"
+    )?;
+    for m in &v.members {
+        writeln!(
+            out,
+            "{:<54} {:<7} {:<9} {:<8} {}",
+            m.peer_id,
+            format!("{:?}", m.role).to_lowercase(),
+            if m.connected { "yes" } else { "no" },
+            if m.revoked { "yes" } else { "no" },
+            m.expires_ms
+        )?;
+    }
+    if v.open_invites > 0 {
+        writeln!(out, "{} open invite(s)", v.open_invites)?;
+    }
+    Ok(())
+}

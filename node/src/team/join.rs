@@ -1,0 +1,127 @@
+//! The joiner's side of `gpunode team join TOKEN`: connect to the inviter as the token's
+//! join identity (the only stranger identity the inviter lets in), prove this node's own
+//! key, and save the certificate, members and revocations the inviter hands back.
+
+use std::path::Path;
+use std::time::Duration;
+
+use futures::{AsyncReadExt, AsyncWriteExt, StreamExt};
+use gpunode_protocol::team::{InviteToken, JoinReply, JoinRequest};
+use gpunode_protocol::time::now_ms;
+use libp2p::identity::Keypair;
+use libp2p::Multiaddr;
+
+use super::{team_protocol, TeamOpError, TeamState};
+use crate::jobs::wire;
+use crate::network::{build_swarm, SwarmSettings};
+
+/// How long joining may take.
+const JOIN_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Joins the team of `token` with this node's `node_key`; saves and returns the state.
+pub async fn join(
+    data_dir: &Path,
+    node_key: &Keypair,
+    token: &InviteToken,
+) -> Result<TeamState, TeamOpError> {
+    if let Some(existing) = TeamState::load(data_dir)? {
+        return Err(TeamOpError::AlreadyInTeam(existing.team.to_string()));
+    }
+    token.check_fresh(now_ms())?;
+    let addrs: Vec<Multiaddr> = token
+        .bootstrap
+        .iter()
+        .filter_map(|a| a.parse().ok())
+        .collect();
+    if addrs.is_empty() {
+        return Err(TeamOpError::Invalid(
+            "the invite token names no address to reach the team at".into(),
+        ));
+    }
+    let join_key = token.join_keypair()?;
+    let join_peer = join_key.public().to_peer_id();
+    let mut swarm = build_swarm(
+        join_key,
+        &SwarmSettings {
+            mdns: false,
+            idle_connection_timeout: Duration::from_secs(30),
+            provider_record_ttl: Duration::from_secs(60),
+            server: false,
+            team: Some((token.team, [token.inviter].into_iter().collect())),
+        },
+    )
+    .map_err(|e| TeamOpError::Invalid(e.to_string()))?;
+    for addr in &addrs {
+        let _ = swarm.dial(addr.clone());
+    }
+    let mut control = swarm.behaviour().stream.new_control();
+    let request = JoinRequest::new(token.team, node_key, &join_peer)?;
+    let protocol = team_protocol(&token.team, "join");
+    let inviter = token.inviter;
+    let exchange = async move {
+        let stream = control
+            .open_stream(inviter, protocol)
+            .await
+            .map_err(|e| format!("cannot reach the inviter {inviter}: {e}"))?;
+        let (mut r, mut w) = AsyncReadExt::split(stream);
+        wire::write_message(&mut w, &request)
+            .await
+            .map_err(|e| e.to_string())?;
+        w.flush().await.map_err(|e| e.to_string())?;
+        let reply = wire::read_message::<_, JoinReply>(&mut r)
+            .await
+            .map_err(|e| format!("the inviter did not answer: {e}"))?;
+        let _ = w.close().await;
+        Ok::<_, String>(reply)
+    };
+    tokio::pin!(exchange);
+    let deadline = tokio::time::sleep(JOIN_TIMEOUT);
+    tokio::pin!(deadline);
+    let reply = loop {
+        tokio::select! {
+            r = &mut exchange => break r,
+            _ = swarm.select_next_some() => {}
+            _ = &mut deadline => break Err(format!(
+                "no answer from the inviter within {}s; is its node running and reachable at {}?",
+                JOIN_TIMEOUT.as_secs(),
+                token.bootstrap.join(", ")
+            )),
+        }
+    }
+    .map_err(TeamOpError::Invalid)?;
+    let (cert, members, revocations) = match reply {
+        JoinReply::Admitted {
+            cert,
+            members,
+            revocations,
+        } => (cert, members, revocations),
+        JoinReply::Refused(why) => {
+            return Err(TeamOpError::Invalid(format!("the team refused: {why}")))
+        }
+    };
+    let now = now_ms();
+    cert.verify(&token.team, &token.team_key, now)?;
+    if cert.cert.member != node_key.public().to_peer_id() {
+        return Err(TeamOpError::Invalid(
+            "the inviter returned a certificate for another peer".into(),
+        ));
+    }
+    let mut state = TeamState {
+        name: format!("team {}", token.team.short()),
+        team: token.team,
+        team_key: token.team_key.clone(),
+        own: cert.clone(),
+        members: vec![cert],
+        revocations: None,
+        invites: Vec::new(),
+        bootstrap: token.bootstrap.clone(),
+    };
+    if let Some(list) = revocations {
+        let _ = state.apply_revocations(list, now);
+    }
+    for m in members {
+        let _ = state.admit(m, now);
+    }
+    state.save(data_dir)?;
+    Ok(state)
+}

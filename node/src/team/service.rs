@@ -1,0 +1,484 @@
+//! The team side of a running node: answers joins on the join identity of an open
+//! invite, keeps certificates and revocations in sync with connected members, and tells
+//! the event loop who may connect (members with valid, unrevoked certificates and open
+//! invites' join identities; everyone else is dropped, their leases cancelled).
+
+use std::collections::HashSet;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::{AsyncReadExt, AsyncWriteExt, StreamExt};
+use gpunode_protocol::team::{InviteToken, JoinReply, JoinRequest, Role, TeamSync};
+use gpunode_protocol::time::now_ms;
+use libp2p::identity::Keypair;
+use libp2p::{PeerId, Stream};
+use tokio::sync::watch;
+
+use super::{team_protocol, TeamOpError, TeamState};
+use crate::jobs::wire;
+use crate::NodeHandle;
+
+/// How often members compare what they know (revocations reach everyone within about
+/// twice this).
+pub const SYNC_EVERY: Duration = Duration::from_secs(5);
+/// How long one exchange may take.
+const EXCHANGE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A node's team membership at run time.
+pub struct Team {
+    state: Mutex<TeamState>,
+    data_dir: PathBuf,
+    node_key: Keypair,
+    team_key: Option<Keypair>,
+    allowed: Mutex<HashSet<PeerId>>,
+}
+
+impl std::fmt::Debug for Team {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Team").finish_non_exhaustive()
+    }
+}
+
+impl Team {
+    /// Loads the team of `data_dir`, if the node is in one.
+    pub fn load(data_dir: PathBuf, node_key: Keypair) -> Result<Option<Arc<Team>>, TeamOpError> {
+        let Some(state) = TeamState::load(&data_dir)? else {
+            return Ok(None);
+        };
+        if state.own.cert.member != node_key.public().to_peer_id() {
+            return Err(TeamOpError::Invalid(
+                "the team certificate in this data dir belongs to another identity".into(),
+            ));
+        }
+        let team_key = TeamState::team_keypair(&data_dir)?;
+        let allowed = state.allowed(now_ms());
+        Ok(Some(Arc::new(Team {
+            state: Mutex::new(state),
+            data_dir,
+            node_key,
+            team_key,
+            allowed: Mutex::new(allowed),
+        })))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, TeamState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A copy of the state.
+    pub fn state(&self) -> TeamState {
+        self.lock().clone()
+    }
+
+    /// Peers allowed to connect now.
+    pub fn allowed(&self) -> HashSet<PeerId> {
+        self.allowed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Saves the state and recomputes who may connect; returns the new set if it changed.
+    fn changed(&self, state: &TeamState) -> Option<HashSet<PeerId>> {
+        if let Err(e) = state.save(&self.data_dir) {
+            tracing::error!("cannot save the team state: {e}");
+        }
+        self.recompute(state)
+    }
+
+    fn recompute(&self, state: &TeamState) -> Option<HashSet<PeerId>> {
+        let now_allowed = state.allowed(now_ms());
+        let mut allowed = self.allowed.lock().unwrap_or_else(|p| p.into_inner());
+        if *allowed == now_allowed {
+            return None;
+        }
+        *allowed = now_allowed.clone();
+        Some(now_allowed)
+    }
+
+    /// What this node knows, for a sync.
+    fn sync_msg(&self) -> TeamSync {
+        let s = self.lock();
+        TeamSync {
+            team: s.team,
+            certs: s.members.clone(),
+            revocations: s.revocations.clone(),
+        }
+    }
+
+    /// Takes what a member told us; returns the new allowed set if it changed.
+    fn merge(&self, sync: TeamSync) -> Option<HashSet<PeerId>> {
+        let now = now_ms();
+        let mut s = self.lock();
+        if sync.team != s.team {
+            return None;
+        }
+        let mut changed = false;
+        if let Some(list) = sync.revocations {
+            changed |= s.apply_revocations(list, now).unwrap_or(false);
+        }
+        for cert in sync.certs {
+            if !s.is_revoked(&cert.cert.member) {
+                changed |= s.admit(cert, now).unwrap_or(false);
+            }
+        }
+        if changed {
+            let state = s.clone();
+            drop(s);
+            self.changed(&state)
+        } else {
+            None
+        }
+    }
+
+    /// Issues an invite token (admins only).
+    pub fn invite(
+        &self,
+        role: Role,
+        uses: u32,
+        expires_ms: u64,
+        bootstrap: Vec<String>,
+    ) -> Result<(InviteToken, Option<HashSet<PeerId>>), TeamOpError> {
+        let mut s = self.lock();
+        let token = s.invite(
+            role,
+            uses,
+            expires_ms,
+            bootstrap,
+            &self.node_key,
+            self.team_key.is_some(),
+        )?;
+        let state = s.clone();
+        drop(s);
+        Ok((token, self.changed(&state)))
+    }
+
+    /// Admits a known peer id without a token (admins only).
+    pub fn add(&self, peer: PeerId, role: Role) -> Result<Option<HashSet<PeerId>>, TeamOpError> {
+        let mut s = self.lock();
+        let cert = s.issue(peer, role, &self.node_key, self.team_key.as_ref(), now_ms())?;
+        s.admit(cert, now_ms())?;
+        let state = s.clone();
+        drop(s);
+        Ok(self.changed(&state))
+    }
+
+    /// Revokes a member (admins only).
+    pub fn revoke(&self, peer: PeerId) -> Result<Option<HashSet<PeerId>>, TeamOpError> {
+        let mut s = self.lock();
+        s.revoke(peer, &self.node_key, self.team_key.as_ref(), now_ms())?;
+        let state = s.clone();
+        drop(s);
+        Ok(self.changed(&state))
+    }
+
+    /// Answers a join over the join identity `peer`.
+    fn answer_join(&self, peer: PeerId, req: JoinRequest) -> (JoinReply, Option<HashSet<PeerId>>) {
+        let now = now_ms();
+        let mut s = self.lock();
+        if req.team != s.team {
+            return (
+                JoinReply::Refused("this invite is for another team".into()),
+                None,
+            );
+        }
+        if let Err(e) = req.verify(&peer) {
+            return (JoinReply::Refused(e.to_string()), None);
+        }
+        let role = match s.use_invite(&peer, now) {
+            Ok(r) => r,
+            Err(m) => return (JoinReply::Refused(m), None),
+        };
+        let cert = match s.issue(
+            req.member,
+            role,
+            &self.node_key,
+            self.team_key.as_ref(),
+            now,
+        ) {
+            Ok(c) => c,
+            Err(e) => return (JoinReply::Refused(e.to_string()), None),
+        };
+        if let Err(e) = s.admit(cert.clone(), now) {
+            return (JoinReply::Refused(e.to_string()), None);
+        }
+        tracing::info!(member = %req.member, ?role, "a new member joined the team");
+        let reply = JoinReply::Admitted {
+            cert,
+            members: s.members.clone(),
+            revocations: s.revocations.clone(),
+        };
+        let state = s.clone();
+        drop(s);
+        (reply, self.changed(&state))
+    }
+
+    /// Recomputes who may connect (certificates and invites expire).
+    fn tick(&self) -> Option<HashSet<PeerId>> {
+        let s = self.lock().clone();
+        self.recompute(&s)
+    }
+}
+
+/// Runs the team side of a node until `stop`.
+pub async fn run(team: Arc<Team>, node: NodeHandle, mut stop: watch::Receiver<bool>) {
+    let team_id = team.lock().team;
+    let mut control = node.stream_control();
+    let (mut joins, mut syncs) = match (
+        control.accept(team_protocol(&team_id, "join")),
+        control.accept(team_protocol(&team_id, "sync")),
+    ) {
+        (Ok(j), Ok(s)) => (j, s),
+        _ => {
+            tracing::error!("cannot accept team streams");
+            return;
+        }
+    };
+    node.set_team_allowed(team.allowed()).await;
+    let mut every = tokio::time::interval(SYNC_EVERY);
+    loop {
+        tokio::select! {
+            Some((peer, stream)) = joins.next() => {
+                let (t, n) = (team.clone(), node.clone());
+                tokio::spawn(async move {
+                    let _ = tokio::time::timeout(EXCHANGE_TIMEOUT, serve_join(&t, &n, peer, stream)).await;
+                });
+            }
+            Some((peer, stream)) = syncs.next() => {
+                let (t, n) = (team.clone(), node.clone());
+                tokio::spawn(async move {
+                    let _ = tokio::time::timeout(EXCHANGE_TIMEOUT, serve_sync(&t, &n, peer, stream)).await;
+                });
+            }
+            _ = every.tick() => {
+                if let Some(allowed) = team.tick() {
+                    node.set_team_allowed(allowed).await;
+                }
+                let (t, n) = (team.clone(), node.clone());
+                tokio::spawn(async move { sync_with_members(&t, &n).await });
+            }
+            _ = stop.changed() => return,
+        }
+    }
+}
+
+async fn serve_join(team: &Team, node: &NodeHandle, peer: PeerId, stream: Stream) {
+    let (mut r, mut w) = AsyncReadExt::split(stream);
+    let reply = match wire::read_message::<_, JoinRequest>(&mut r).await {
+        Ok(req) => {
+            let (reply, allowed) = team.answer_join(peer, req);
+            if let Some(a) = allowed {
+                node.set_team_allowed(a).await;
+            }
+            reply
+        }
+        Err(e) => JoinReply::Refused(format!("malformed join request: {e}")),
+    };
+    let _ = wire::write_message(&mut w, &reply).await;
+    let _ = w.flush().await;
+    let _ = w.close().await;
+    if matches!(reply, JoinReply::Admitted { .. }) {
+        sync_with_members(team, node).await;
+    }
+}
+
+async fn serve_sync(team: &Team, node: &NodeHandle, peer: PeerId, stream: Stream) {
+    let (mut r, mut w) = AsyncReadExt::split(stream);
+    match wire::read_message::<_, TeamSync>(&mut r).await {
+        Ok(sync) => {
+            if let Some(a) = team.merge(sync) {
+                node.set_team_allowed(a).await;
+            }
+            let _ = wire::write_message(&mut w, &team.sync_msg()).await;
+            let _ = w.flush().await;
+        }
+        Err(e) => tracing::debug!(%peer, "bad team sync: {e}"),
+    }
+    let _ = w.close().await;
+}
+
+/// Tells every connected member what we know and takes what they know.
+pub(crate) async fn sync_with_members(team: &Team, node: &NodeHandle) {
+    let Ok(status) = node.status().await else {
+        return;
+    };
+    let team_id = team.lock().team;
+    let members: HashSet<PeerId> = team.lock().members.iter().map(|c| c.cert.member).collect();
+    let allowed = team.allowed();
+    for peer in status
+        .connected_peers
+        .iter()
+        .filter_map(|p| p.parse::<PeerId>().ok())
+        .filter(|p| members.contains(p) && allowed.contains(p))
+    {
+        let msg = team.sync_msg();
+        let exchange = async {
+            let stream = node
+                .open_stream(peer, team_protocol(&team_id, "sync"))
+                .await
+                .ok()?;
+            let (mut r, mut w) = AsyncReadExt::split(stream);
+            wire::write_message(&mut w, &msg).await.ok()?;
+            w.flush().await.ok()?;
+            let reply = wire::read_message::<_, TeamSync>(&mut r).await.ok()?;
+            let _ = w.close().await;
+            Some(reply)
+        };
+        if let Ok(Some(reply)) = tokio::time::timeout(EXCHANGE_TIMEOUT, exchange).await {
+            if let Some(a) = team.merge(reply) {
+                node.set_team_allowed(a).await;
+            }
+        }
+    }
+}
+
+impl NodeHandle {
+    fn team_or_err(&self) -> Result<&Arc<Team>, TeamOpError> {
+        self.team().ok_or(TeamOpError::NoTeam)
+    }
+
+    /// Issues an invite token (admins only).
+    pub async fn team_invite(
+        &self,
+        role: Role,
+        uses: u32,
+        expires_ms: u64,
+        bootstrap: Vec<String>,
+    ) -> Result<InviteToken, TeamOpError> {
+        let (token, allowed) = self
+            .team_or_err()?
+            .invite(role, uses, expires_ms, bootstrap)?;
+        if let Some(a) = allowed {
+            self.set_team_allowed(a).await;
+        }
+        Ok(token)
+    }
+
+    /// Admits a known peer id without a token (admins only) and tells the members.
+    pub async fn team_add(&self, peer: PeerId, role: Role) -> Result<(), TeamOpError> {
+        let team = self.team_or_err()?.clone();
+        if let Some(a) = team.add(peer, role)? {
+            self.set_team_allowed(a).await;
+        }
+        sync_with_members(&team, self).await;
+        Ok(())
+    }
+
+    /// Revokes a member (admins only): it is dropped here at once and by the other
+    /// members as the revocation reaches them.
+    pub async fn team_revoke(&self, peer: PeerId) -> Result<(), TeamOpError> {
+        let team = self.team_or_err()?.clone();
+        if let Some(a) = team.revoke(peer)? {
+            self.set_team_allowed(a).await;
+        }
+        sync_with_members(&team, self).await;
+        Ok(())
+    }
+}
+
+/// A member as `gpunode team members` shows it.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct MemberView {
+    /// The member.
+    pub peer_id: String,
+    /// Its role.
+    pub role: Role,
+    /// When its certificate expires, unix ms.
+    pub expires_ms: u64,
+    /// Who signed its certificate.
+    pub issuer: String,
+    /// Whether it is revoked.
+    pub revoked: bool,
+    /// Whether this node is connected to it now.
+    pub connected: bool,
+}
+
+/// The team as `gpunode team members` shows it.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct TeamView {
+    /// The team id.
+    pub team_id: String,
+    /// Its local name.
+    pub name: String,
+    /// This node's role.
+    pub role: Role,
+    /// When this node's certificate expires, unix ms.
+    pub expires_ms: u64,
+    /// Members known, this node included.
+    pub members: Vec<MemberView>,
+    /// Invites of this node still open.
+    pub open_invites: usize,
+}
+
+impl TeamView {
+    /// The view of `state`; `connected` peers are marked.
+    pub fn of(state: &TeamState, connected: &HashSet<PeerId>) -> TeamView {
+        let now = now_ms();
+        let mut members: Vec<MemberView> = state
+            .members
+            .iter()
+            .map(|c| MemberView {
+                peer_id: c.cert.member.to_string(),
+                role: c.cert.role,
+                expires_ms: c.cert.expires_ms,
+                issuer: c.cert.issuer.to_string(),
+                revoked: state.is_revoked(&c.cert.member),
+                connected: connected.contains(&c.cert.member),
+            })
+            .collect();
+        members.sort_by(|a, b| a.peer_id.cmp(&b.peer_id));
+        TeamView {
+            team_id: state.team.to_string(),
+            name: state.name.clone(),
+            role: state.own.cert.role,
+            expires_ms: state.own.cert.expires_ms,
+            members,
+            open_invites: state
+                .invites
+                .iter()
+                .filter(|i| i.uses_left > 0 && i.expires_ms >= now)
+                .count(),
+        }
+    }
+}
+
+impl NodeHandle {
+    /// The team as `gpunode team members` shows it.
+    pub async fn team_view(&self) -> Result<TeamView, TeamOpError> {
+        let team = self.team_or_err()?;
+        let connected: HashSet<PeerId> = self
+            .status()
+            .await
+            .map(|s| {
+                s.connected_peers
+                    .iter()
+                    .filter_map(|p| p.parse().ok())
+                    .collect()
+            })
+            .unwrap_or_default();
+        Ok(TeamView::of(&team.state(), &connected))
+    }
+
+    /// An invite token whose bootstrap addresses are this node's reachable addresses.
+    pub async fn team_invite_here(
+        &self,
+        role: Role,
+        uses: u32,
+        expires_ms: u64,
+    ) -> Result<InviteToken, TeamOpError> {
+        let status = self
+            .status()
+            .await
+            .map_err(|e| TeamOpError::Invalid(e.to_string()))?;
+        let mut bootstrap = status.external_addrs;
+        if bootstrap.is_empty() {
+            return Err(TeamOpError::Invalid(
+                "this node has no reachable address yet to put in the invite; check --listen"
+                    .into(),
+            ));
+        }
+        bootstrap.truncate(8);
+        self.team_invite(role, uses, expires_ms, bootstrap).await
+    }
+}

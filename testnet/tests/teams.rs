@@ -1,0 +1,225 @@
+//! Private teams on real nodes on 127.0.0.1: five members and three outsiders with valid
+//! libp2p identities. Outsiders are dropped, find no team adverts and cannot lease;
+//! members see everything; a joiner with an invite gets in, a second use of the invite is
+//! refused; a revoked member loses access and its leases within the bound.
+
+use std::time::Duration;
+
+use gpunode_node::team::{service::SYNC_EVERY, TeamState};
+use gpunode_node::{DataDir, LeaseSpec, NodeHandle};
+use gpunode_protocol::advert::OfferFilter;
+use gpunode_protocol::team::Role;
+use gpunode_protocol::time::now_ms;
+use libp2p::PeerId;
+use testnet::{start_node_in, TestNetConfig, TestNode};
+
+const LONG: Duration = Duration::from_secs(60);
+/// Revocations must take effect within this.
+const REVOCATION_BOUND: Duration = Duration::from_secs(30);
+
+fn lease_of(provider: &PeerId) -> LeaseSpec {
+    LeaseSpec {
+        peer: Some(provider.to_string()),
+        gpus: 1,
+        gpu_model: None,
+        min_gpu_mem_bytes: None,
+        cpus: 1,
+        mem_bytes: 0,
+        backend: "wasm".into(),
+        duration_ms: 600_000,
+        max_price: None,
+        exclude: Vec::new(),
+    }
+}
+
+async fn offers_seen(h: &NodeHandle) -> Vec<String> {
+    h.find_offers(OfferFilter::default())
+        .await
+        .map(|o| o.into_iter().map(|o| o.peer_id).collect())
+        .unwrap_or_default()
+}
+
+async fn connected(h: &NodeHandle) -> Vec<PeerId> {
+    h.status()
+        .await
+        .map(|s| {
+            s.connected_peers
+                .iter()
+                .filter_map(|p| p.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+async fn eventually(what: &str, bound: Duration, mut check: impl AsyncFnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + bound;
+    while !check().await {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not within {bound:?}: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn outsiders_see_and_use_nothing_members_everything_and_revocation_bites() {
+    let cfg = TestNetConfig::new(vec![]);
+    let spec = Some("1xA100-80GB".to_string());
+    // Five members: node 0 creates the team and certifies the others up front (as
+    // `gpunode team add` does).
+    let dirs: Vec<tempfile::TempDir> = (0..5).map(|_| tempfile::tempdir().expect("dir")).collect();
+    let keys: Vec<_> = dirs
+        .iter()
+        .map(|d| {
+            DataDir::new(d.path())
+                .load_or_create_identity()
+                .expect("identity")
+        })
+        .collect();
+    let ids: Vec<PeerId> = keys.iter().map(|k| k.public().to_peer_id()).collect();
+    let mut root = TeamState::create(dirs[0].path(), "lab", &keys[0], now_ms()).expect("create");
+    let team_key = TeamState::team_keypair(dirs[0].path())
+        .expect("key")
+        .expect("exists");
+    let mut certs = Vec::new();
+    for id in &ids[1..] {
+        let c = root
+            .issue(*id, Role::Member, &keys[0], Some(&team_key), now_ms())
+            .expect("issue");
+        root.admit(c.clone(), now_ms()).expect("admit");
+        certs.push(c);
+    }
+    root.save(dirs[0].path()).expect("save");
+    for (i, cert) in certs.into_iter().enumerate() {
+        let member = TeamState {
+            own: cert,
+            invites: Vec::new(),
+            ..root.clone()
+        };
+        member.save(dirs[i + 1].path()).expect("save");
+    }
+    let mut dirs = dirs.into_iter();
+    let mut members: Vec<TestNode> = Vec::new();
+    members.push(
+        start_node_in(&cfg, 0, spec.as_ref(), &[], dirs.next().expect("dir"))
+            .await
+            .expect("node 0"),
+    );
+    let boot = vec![members[0].addr.clone()];
+    for (i, dir) in dirs.enumerate() {
+        members.push(
+            start_node_in(&cfg, i + 1, spec.as_ref(), &boot, dir)
+                .await
+                .expect("member"),
+        );
+    }
+    // Three outsiders: real nodes that know a member's address.
+    let mut outsiders = Vec::new();
+    for i in 0..3 {
+        outsiders.push(
+            testnet::start_node(&cfg, 10 + i, spec.as_ref(), &boot)
+                .await
+                .expect("outsider"),
+        );
+    }
+
+    // Members see every other member's advert.
+    for m in &members {
+        eventually(
+            "a member sees every other member's advert",
+            LONG,
+            async || {
+                let seen = offers_seen(&m.handle).await;
+                ids.iter()
+                    .filter(|id| **id != m.handle.peer_id())
+                    .all(|id| seen.contains(&id.to_string()))
+            },
+        )
+        .await;
+    }
+    // Outsiders see none of them, are not connected to any member, cannot lease.
+    for o in &outsiders {
+        let seen = offers_seen(&o.handle).await;
+        assert!(
+            seen.iter()
+                .all(|p| !ids.iter().any(|id| id.to_string() == *p)),
+            "an outsider saw a team advert: {seen:?}"
+        );
+        let conns = connected(&o.handle).await;
+        assert!(conns.iter().all(|p| !ids.contains(p)), "{conns:?}");
+        let err = o
+            .handle
+            .request_lease(lease_of(&ids[1]))
+            .await
+            .expect_err("an outsider cannot lease");
+        assert!(!err.to_string().is_empty());
+    }
+
+    // A joiner with an invite gets in; the invite is then used up.
+    let token = members[0]
+        .handle
+        .team_invite(Role::Member, 1, now_ms() + 3_600_000, boot.clone())
+        .await
+        .expect("invite");
+    let joiner_dir = tempfile::tempdir().expect("dir");
+    let joiner_key = DataDir::new(joiner_dir.path())
+        .load_or_create_identity()
+        .expect("identity");
+    let joined = gpunode_node::team::join::join(joiner_dir.path(), &joiner_key, &token)
+        .await
+        .expect("join");
+    assert_eq!(joined.own.cert.role, Role::Member);
+    let other_dir = tempfile::tempdir().expect("dir");
+    let other_key = DataDir::new(other_dir.path())
+        .load_or_create_identity()
+        .expect("identity");
+    let err = gpunode_node::team::join::join(other_dir.path(), &other_key, &token)
+        .await
+        .expect_err("used up");
+    assert!(err.to_string().contains("used up"), "{err}");
+    let joiner = start_node_in(&cfg, 20, spec.as_ref(), &[], joiner_dir)
+        .await
+        .expect("joiner starts");
+    eventually("the joiner sees the team", LONG, async || {
+        let seen = offers_seen(&joiner.handle).await;
+        ids.iter().all(|id| seen.contains(&id.to_string()))
+    })
+    .await;
+
+    // Member 4 holds a lease from member 1; then node 0 revokes member 4.
+    let lease = members[4]
+        .handle
+        .request_lease(lease_of(&ids[1]))
+        .await
+        .expect("a member leases");
+    members[0].handle.team_revoke(ids[4]).await.expect("revoke");
+    for (i, m) in members.iter().enumerate().take(4) {
+        eventually(
+            &format!("member {i} drops the revoked member"),
+            REVOCATION_BOUND + SYNC_EVERY,
+            async || !connected(&m.handle).await.contains(&ids[4]),
+        )
+        .await;
+    }
+    let provider_side = members[1]
+        .handle
+        .lease(&lease.lease_id.parse().expect("id"))
+        .await
+        .expect("ask")
+        .expect("known");
+    assert!(
+        !provider_side.state.holds_resources(),
+        "{:?}",
+        provider_side.state
+    );
+    assert!(members[4]
+        .handle
+        .request_lease(lease_of(&ids[2]))
+        .await
+        .is_err());
+
+    for mut n in members.into_iter().chain(outsiders).chain([joiner]) {
+        n.shutdown().await;
+    }
+}
