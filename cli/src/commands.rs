@@ -322,6 +322,11 @@ async fn lease_request(
         duration_ms: parse_time("duration", &args.duration)?.as_millis() as u64,
         max_price: args.max_price,
         exclude: Vec::new(),
+        kind: if args.batch {
+            gpunode_protocol::team::JobKind::Batch
+        } else {
+            gpunode_protocol::team::JobKind::Interactive
+        },
     };
     if spec.duration_ms == 0 {
         anyhow::bail!("invalid --duration: a lease must last longer than 0");

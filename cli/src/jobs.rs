@@ -127,6 +127,11 @@ fn job_request(args: &RunArgs) -> Result<JobRequest> {
         retries: args.retries,
         fuel: args.fuel,
         replicas: args.replicas,
+        kind: if args.batch {
+            gpunode_protocol::team::JobKind::Batch
+        } else {
+            gpunode_protocol::team::JobKind::Interactive
+        },
     })
 }
 

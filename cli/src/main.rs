@@ -110,6 +110,22 @@ enum TeamCommand {
     },
     /// Leave the team (with the daemon stopped).
     Leave,
+    /// Show or set the team policy (quotas, priorities, allowance, time windows).
+    Policy {
+        #[command(subcommand)]
+        action: PolicyAction,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum PolicyAction {
+    /// Print the current policy as an editable file.
+    Show,
+    /// Sign and spread the policy in FILE (admins); see docs/teams.md for the format.
+    Set {
+        /// The policy file (TOML).
+        file: std::path::PathBuf,
+    },
 }
 
 #[derive(Debug, Args)]
@@ -194,6 +210,9 @@ struct RunArgs {
     /// one more run and costs the odd one out reputation (deterministic tasks only).
     #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=5))]
     replicas: u32,
+    /// Unattended batch work (team policies may allow it only at some hours).
+    #[arg(long)]
+    batch: bool,
     /// Submit to the daemon, print the job id and return.
     #[arg(long)]
     detach: bool,
@@ -271,6 +290,9 @@ struct LeaseRequestArgs {
     /// Print JSON instead of text.
     #[arg(long)]
     json: bool,
+    /// Unattended batch work (team policies may allow it only at some hours).
+    #[arg(long)]
+    batch: bool,
 }
 
 #[derive(Debug, Args)]

@@ -15,7 +15,7 @@ use gpunode_protocol::time::now_ms;
 use gpunode_protocol::units::parse_duration;
 
 use crate::output::short_peer;
-use crate::TeamCommand;
+use crate::{PolicyAction, TeamCommand};
 
 /// Runs one `gpunode team` subcommand.
 pub async fn team(data_dir: DataDir, cmd: TeamCommand) -> Result<ExitCode> {
@@ -151,6 +151,41 @@ pub async fn team(data_dir: DataDir, cmd: TeamCommand) -> Result<ExitCode> {
                 2 * gpunode_node::team::service::SYNC_EVERY.as_secs()
             );
         }
+        TeamCommand::Policy { action } => match action {
+            PolicyAction::Show => {
+                let text = if daemon {
+                    api.get_text("/v1/team/policy").await?
+                } else {
+                    let key = data_dir.load_or_create_identity()?;
+                    let team = gpunode_node::team::service::Team::load(root.clone(), key)?
+                        .ok_or(gpunode_node::team::TeamOpError::NoTeam)?;
+                    team.policy_text().unwrap_or_default()
+                };
+                if text.is_empty() {
+                    eprintln!(
+                        "No team policy is set: no quotas, no time windows, equal priorities."
+                    );
+                } else {
+                    print!("{text}");
+                }
+            }
+            PolicyAction::Set { file } => {
+                let text = std::fs::read_to_string(&file)
+                    .with_context(|| format!("cannot read {}", file.display()))?;
+                let seq = if daemon {
+                    let reply: serde_json::Value = api
+                        .post_json("/v1/team/policy", &serde_json::json!({ "text": text }))
+                        .await?;
+                    reply["seq"].as_u64().unwrap_or(0)
+                } else {
+                    let key = data_dir.load_or_create_identity()?;
+                    let team = gpunode_node::team::service::Team::load(root.clone(), key)?
+                        .ok_or(gpunode_node::team::TeamOpError::NoTeam)?;
+                    team.set_policy(&text)?
+                };
+                eprintln!("Team policy version {seq} set; members pick it up as it spreads.");
+            }
+        },
         TeamCommand::Leave => {
             if daemon {
                 bail!("stop the daemon first, then leave the team");

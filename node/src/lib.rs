@@ -579,6 +579,7 @@ impl Node {
                 Some(t) => t.state().kad_protocol(),
                 None => network::KAD_PROTOCOL,
             },
+            team: team.clone(),
         });
         let event_loop = tokio::spawn(event_loop.run());
         Ok(Node {

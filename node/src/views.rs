@@ -210,6 +210,9 @@ pub struct LeaseSpec {
     /// Providers not to ask (peer ids), e.g. ones that just failed a job.
     #[serde(default)]
     pub exclude: Vec<String>,
+    /// Interactive (default) or batch work.
+    #[serde(default)]
+    pub kind: gpunode_protocol::team::JobKind,
 }
 
 /// The outcome of a cancellation.

@@ -72,6 +72,8 @@ pub struct Requirements {
     pub mem_bytes: u64,
     /// Executor (`wasm`, `container`).
     pub backend: String,
+    /// Interactive or batch work (team policies may allow each only at some hours).
+    pub kind: crate::team::JobKind,
 }
 
 /// Step 1: the requester asks a provider.
@@ -296,6 +298,8 @@ pub enum RejectCode {
     DebtLimit,
     /// The requester's reputation with this provider is too low.
     LowReputation,
+    /// The team policy forbids it (quota, time window); the message names the rule.
+    TeamPolicy,
 }
 
 impl RejectCode {
@@ -321,6 +325,7 @@ impl RejectCode {
             RejectCode::InvalidRequest => "invalid_request",
             RejectCode::DebtLimit => "debt_limit",
             RejectCode::LowReputation => "low_reputation",
+            RejectCode::TeamPolicy => "team_policy",
         }
     }
 }

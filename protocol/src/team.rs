@@ -520,7 +520,7 @@ impl JoinRequest {
 
 /// The inviter's answer.
 #[allow(clippy::large_enum_variant)]
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum JoinReply {
     /// Welcome: the certificate, the members known to the inviter and the revocations.
     Admitted {
@@ -530,13 +530,15 @@ pub enum JoinReply {
         members: Vec<SignedCertificate>,
         /// The current revocation list, if any.
         revocations: Option<SignedRevocations>,
+        /// The current team policy, if any.
+        policy: Option<SignedPolicy>,
     },
     /// Refused, with the reason.
     Refused(String),
 }
 
-/// What members tell each other: the certificates and revocations they know.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// What members tell each other: the certificates, revocations and policy they know.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TeamSync {
     /// The team.
     pub team: TeamId,
@@ -544,6 +546,234 @@ pub struct TeamSync {
     pub certs: Vec<SignedCertificate>,
     /// The newest revocation list known to the sender.
     pub revocations: Option<SignedRevocations>,
+    /// The newest policy known to the sender.
+    pub policy: Option<SignedPolicy>,
+}
+
+/// Interactive work (someone waits for it) or batch work (runs unattended).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum JobKind {
+    /// Someone waits for it.
+    #[default]
+    Interactive,
+    /// Runs unattended.
+    Batch,
+}
+
+impl std::fmt::Display for JobKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            JobKind::Interactive => "interactive",
+            JobKind::Batch => "batch",
+        })
+    }
+}
+
+/// GPU-hour limits.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+pub struct Quota {
+    /// GPU-hours per day (team time), at each provider.
+    pub gpu_hours_per_day: Option<f64>,
+    /// GPU-hours per week (Monday to Sunday, team time), at each provider.
+    pub gpu_hours_per_week: Option<f64>,
+}
+
+/// When work of one kind may run: days (0 = Monday .. 6 = Sunday) and minutes of the
+/// day, team time; a window whose end is before its start runs past midnight.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Window {
+    /// Which work.
+    pub kind: JobKind,
+    /// Days it starts on.
+    pub days: Vec<u8>,
+    /// First minute.
+    pub start_min: u16,
+    /// Minute it ends (exclusive; 1440 = midnight).
+    pub end_min: u16,
+}
+
+/// The rules an admin sets for the whole team; every member's node enforces them on
+/// team requests.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TeamPolicy {
+    /// The team.
+    pub team: TeamId,
+    /// Grows with every new policy; nodes keep the highest.
+    pub seq: u64,
+    /// Who signed it.
+    pub issuer: PeerId,
+    /// Credits a member may use at each provider before giving back.
+    pub allowance: f64,
+    /// Serving priority of admins' work.
+    pub priority_admin: i32,
+    /// Serving priority of members' work.
+    pub priority_member: i32,
+    /// Limits for every member.
+    pub quota: Quota,
+    /// Limits for named members, instead of `quota`.
+    pub member_quotas: Vec<(PeerId, Quota)>,
+    /// When each kind of work may run (a kind without windows may run any time).
+    pub windows: Vec<Window>,
+    /// Team time: minutes east of UTC.
+    pub utc_offset_min: i32,
+}
+
+/// A policy with its signature (and the issuer's admin certificate).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SignedPolicy {
+    /// The policy.
+    pub policy: TeamPolicy,
+    /// The issuer's signature.
+    pub signature: Vec<u8>,
+    /// The issuer's admin certificate when it is not the team key.
+    pub issuer_cert: Option<SignedCertificate>,
+}
+
+impl SignedPolicy {
+    /// Signs `policy` with `key`, an admin's (with `issuer_cert`) or the team key (without).
+    pub fn sign(
+        policy: TeamPolicy,
+        key: &Keypair,
+        issuer_cert: Option<SignedCertificate>,
+    ) -> Result<SignedPolicy, TeamError> {
+        let signature = signing::sign(key, POLICY_SIGNING_TAG, &encoding::encode(&policy))?;
+        Ok(SignedPolicy {
+            policy,
+            signature,
+            issuer_cert,
+        })
+    }
+
+    /// Checks that the team key or an admin of `team` signed it.
+    pub fn verify(&self, team: &TeamId, team_key: &[u8], now: UnixMillis) -> Result<(), TeamError> {
+        let key = check_team(team, team_key, &self.policy.team)?;
+        verify_by_team_or_admin(
+            &key,
+            &self.policy.issuer,
+            self.issuer_cert.as_ref(),
+            (team, team_key, now),
+            POLICY_SIGNING_TAG,
+            &encoding::encode(&self.policy),
+            &self.signature,
+        )
+    }
+}
+
+/// What a member already used at this provider, GPU-milliseconds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Used {
+    /// Today (team time).
+    pub today_gpu_ms: u64,
+    /// This week (team time).
+    pub week_gpu_ms: u64,
+}
+
+const DAY_MS: i64 = 86_400_000;
+const DAY_NAMES: [&str; 7] = ["mon", "tue", "wed", "thu", "fri", "sat", "sun"];
+
+impl TeamPolicy {
+    /// Day of the week (0 = Monday), minute of the day, start of today and of this week
+    /// (unix ms), all in team time.
+    pub fn team_time(&self, now: UnixMillis) -> (u8, u16, UnixMillis, UnixMillis) {
+        let local = now as i64 + self.utc_offset_min as i64 * 60_000;
+        let days = local.div_euclid(DAY_MS);
+        // 1970-01-01 was a Thursday (3).
+        let weekday = (days + 3).rem_euclid(7) as u8;
+        let minute = (local.rem_euclid(DAY_MS) / 60_000) as u16;
+        let offset = self.utc_offset_min as i64 * 60_000;
+        let today = (days * DAY_MS - offset).max(0) as u64;
+        let week = ((days - weekday as i64) * DAY_MS - offset).max(0) as u64;
+        (weekday, minute, today, week)
+    }
+
+    /// The quota of `member`.
+    pub fn quota_of(&self, member: &PeerId) -> Quota {
+        self.member_quotas
+            .iter()
+            .find(|(p, _)| p == member)
+            .map(|(_, q)| *q)
+            .unwrap_or(self.quota)
+    }
+
+    /// Whether a lease of `gpus` for `duration_ms` of `kind` work by `member` breaks the
+    /// policy at `now`; the error names the rule.
+    pub fn check(
+        &self,
+        member: &PeerId,
+        kind: JobKind,
+        gpus: u32,
+        duration_ms: u64,
+        used: Used,
+        now: UnixMillis,
+    ) -> Result<(), String> {
+        let (weekday, minute, _, _) = self.team_time(now);
+        let windows: Vec<&Window> = self.windows.iter().filter(|w| w.kind == kind).collect();
+        if !windows.is_empty() && !windows.iter().any(|w| w.contains(weekday, minute)) {
+            let allowed: Vec<String> = windows.iter().map(|w| w.describe()).collect();
+            return Err(format!(
+                "team policy: {kind} work may run only {} (team time); it is {} {:02}:{:02} now (rule: window)",
+                allowed.join(", "),
+                DAY_NAMES[weekday as usize % 7],
+                minute / 60,
+                minute % 60
+            ));
+        }
+        let asked = gpus as f64 * duration_ms as f64 / 3_600_000.0;
+        let q = self.quota_of(member);
+        for (limit, used_ms, rule) in [
+            (q.gpu_hours_per_day, used.today_gpu_ms, "gpu_hours_per_day"),
+            (q.gpu_hours_per_week, used.week_gpu_ms, "gpu_hours_per_week"),
+        ] {
+            if let Some(limit) = limit {
+                let used_h = used_ms as f64 / 3_600_000.0;
+                if used_h + asked > limit + 1e-9 {
+                    return Err(format!(
+                        "team policy quota {rule} = {limit}: you have {used_h:.2} GPU-hours at this provider already and this lease asks {asked:.2} (rule: quota.{rule})"
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Serving priority of a role.
+    pub fn priority(&self, role: Role) -> i32 {
+        match role {
+            Role::Admin => self.priority_admin,
+            Role::Member => self.priority_member,
+        }
+    }
+}
+
+impl Window {
+    /// Whether the window covers `minute` of `weekday`.
+    pub fn contains(&self, weekday: u8, minute: u16) -> bool {
+        if self.start_min < self.end_min {
+            self.days.contains(&weekday) && minute >= self.start_min && minute < self.end_min
+        } else {
+            let yesterday = (weekday + 6) % 7;
+            (self.days.contains(&weekday) && minute >= self.start_min)
+                || (self.days.contains(&yesterday) && minute < self.end_min)
+        }
+    }
+
+    /// Like "mon-fri 18:00-09:00".
+    pub fn describe(&self) -> String {
+        let days: Vec<&str> = self
+            .days
+            .iter()
+            .map(|d| DAY_NAMES[*d as usize % 7])
+            .collect();
+        format!(
+            "{} {:02}:{:02}-{:02}:{:02}",
+            days.join(","),
+            self.start_min / 60,
+            self.start_min % 60,
+            self.end_min / 60,
+            self.end_min % 60
+        )
+    }
 }
 
 #[cfg(test)]

@@ -236,3 +236,137 @@ fn join_requests_prove_the_node_key_over_the_join_connection() {
     };
     assert!(stolen.verify(&join_peer).is_err());
 }
+
+fn policy(t: &Team) -> TeamPolicy {
+    TeamPolicy {
+        team: t.id,
+        seq: 1,
+        issuer: t.key.public().to_peer_id(),
+        allowance: 50.0,
+        priority_admin: 10,
+        priority_member: 0,
+        quota: Quota {
+            gpu_hours_per_day: Some(8.0),
+            gpu_hours_per_week: Some(30.0),
+        },
+        member_quotas: Vec::new(),
+        windows: vec![
+            Window {
+                kind: JobKind::Interactive,
+                days: vec![0, 1, 2, 3, 4],
+                start_min: 9 * 60,
+                end_min: 18 * 60,
+            },
+            Window {
+                kind: JobKind::Batch,
+                days: vec![0, 1, 2, 3, 4],
+                start_min: 18 * 60,
+                end_min: 9 * 60,
+            },
+            Window {
+                kind: JobKind::Batch,
+                days: vec![5, 6],
+                start_min: 0,
+                end_min: 24 * 60,
+            },
+        ],
+        utc_offset_min: 60,
+    }
+}
+
+/// Unix ms of 2026-11-30 (a Monday) at `h:m` team time (UTC+1).
+fn monday_at(h: u64, m: u64) -> UnixMillis {
+    // 2026-11-30 00:00 UTC.
+    let midnight_utc: u64 = 1_795_996_800_000;
+    midnight_utc + (h * 60 + m) * 60_000 - 3_600_000
+}
+
+#[test]
+fn windows_follow_team_time() {
+    let t = team();
+    let p = policy(&t);
+    let me = Keypair::generate_ed25519().public().to_peer_id();
+    let (weekday, minute, today, _) = p.team_time(monday_at(10, 0));
+    assert_eq!((weekday, minute), (0, 600));
+    assert_eq!(today, monday_at(0, 0));
+    let at = |kind, h, m| p.check(&me, kind, 1, 3_600_000, Used::default(), monday_at(h, m));
+    assert_eq!(at(JobKind::Interactive, 10, 0), Ok(()));
+    let err = at(JobKind::Batch, 10, 0).unwrap_err();
+    assert!(
+        err.contains("batch work may run only") && err.contains("mon 10:00"),
+        "{err}"
+    );
+    assert!(err.contains("rule: window"));
+    assert_eq!(at(JobKind::Batch, 23, 30), Ok(()), "after 18:00");
+    // The night window runs past midnight: Tuesday 08:59 is still Monday night's.
+    let tuesday_early = monday_at(8, 59) + 86_400_000;
+    assert_eq!(
+        p.check(&me, JobKind::Batch, 1, 1, Used::default(), tuesday_early),
+        Ok(())
+    );
+    assert!(at(JobKind::Interactive, 20, 0).is_err());
+    // Saturday (five days later) allows batch all day.
+    let saturday = monday_at(12, 0) + 5 * 86_400_000;
+    assert_eq!(
+        p.check(&me, JobKind::Batch, 1, 1, Used::default(), saturday),
+        Ok(())
+    );
+}
+
+#[test]
+fn quotas_are_named_when_hit() {
+    let t = team();
+    let mut p = policy(&t);
+    let me = Keypair::generate_ed25519().public().to_peer_id();
+    let now = monday_at(10, 0);
+    let used = Used {
+        today_gpu_ms: 7 * 3_600_000,
+        week_gpu_ms: 7 * 3_600_000,
+    };
+    assert_eq!(
+        p.check(&me, JobKind::Interactive, 1, 3_600_000, used, now),
+        Ok(())
+    );
+    let err = p
+        .check(&me, JobKind::Interactive, 2, 3_600_000, used, now)
+        .unwrap_err();
+    assert!(err.contains("gpu_hours_per_day = 8"), "{err}");
+    let week = Used {
+        today_gpu_ms: 0,
+        week_gpu_ms: 29 * 3_600_000,
+    };
+    let err = p
+        .check(&me, JobKind::Interactive, 2, 3_600_000, week, now)
+        .unwrap_err();
+    assert!(err.contains("gpu_hours_per_week = 30"), "{err}");
+    // A named member's own quota replaces the default.
+    p.member_quotas.push((
+        me,
+        Quota {
+            gpu_hours_per_day: Some(100.0),
+            gpu_hours_per_week: None,
+        },
+    ));
+    assert_eq!(
+        p.check(&me, JobKind::Interactive, 2, 3_600_000, week, now),
+        Ok(())
+    );
+    assert_eq!(p.priority(Role::Admin), 10);
+}
+
+#[test]
+fn policies_need_the_team_key_or_an_admin() {
+    let t = team();
+    let signed = SignedPolicy::sign(policy(&t), &t.key, None).expect("sign");
+    assert_eq!(signed.verify(&t.id, &t.public, 0), Ok(()));
+    let mut altered = signed.clone();
+    altered.policy.quota.gpu_hours_per_day = None;
+    assert!(altered.verify(&t.id, &t.public, 0).is_err());
+    let outsider = Keypair::generate_ed25519();
+    let mut p = policy(&t);
+    p.issuer = outsider.public().to_peer_id();
+    assert!(SignedPolicy::sign(p, &outsider, None)
+        .expect("sign")
+        .verify(&t.id, &t.public, 0)
+        .is_err());
+}

@@ -206,6 +206,7 @@ pub async fn lease(round_trips: usize, requesters: usize, seconds: u64) -> Resul
         duration_ms: 2_000,
         max_price: None,
         exclude: Vec::new(),
+        kind: Default::default(),
     };
     let mut clients = Vec::with_capacity(requesters.max(1));
     for _ in 0..requesters.max(1) {

@@ -34,6 +34,7 @@ pub fn request(module: PathBuf, output_dir: &Path) -> JobRequest {
         retries: 2,
         fuel: None,
         replicas: 1,
+        kind: Default::default(),
     }
 }
 

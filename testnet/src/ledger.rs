@@ -33,6 +33,7 @@ pub fn bare_lease(provider: &str, duration_ms: u64) -> LeaseSpec {
         duration_ms,
         max_price: None,
         exclude: Vec::new(),
+        kind: Default::default(),
     }
 }
 

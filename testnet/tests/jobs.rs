@@ -313,6 +313,7 @@ async fn hostile_job_requests_are_refused_and_the_provider_keeps_serving() {
             duration_ms: 600_000,
             max_price: None,
             exclude: Vec::new(),
+            kind: Default::default(),
         })
         .await
         .expect("lease");

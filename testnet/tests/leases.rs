@@ -30,6 +30,7 @@ fn spec(peer: Option<String>) -> LeaseSpec {
         duration_ms: 600_000,
         max_price: None,
         exclude: Vec::new(),
+        kind: Default::default(),
     }
 }
 
@@ -255,6 +256,7 @@ async fn hostile_lease_messages_are_rejected_with_reasons_and_reserve_nothing() 
                 cpus: 1,
                 mem_bytes: 1 << 20,
                 backend: "wasm".into(),
+                kind: Default::default(),
             },
             duration_ms: 60_000,
             max_price_per_gpu_hour_millicredits: None,

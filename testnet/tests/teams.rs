@@ -29,6 +29,7 @@ fn lease_of(provider: &PeerId) -> LeaseSpec {
         duration_ms: 600_000,
         max_price: None,
         exclude: Vec::new(),
+        kind: Default::default(),
     }
 }
 
@@ -62,13 +63,24 @@ async fn eventually(what: &str, bound: Duration, mut check: impl AsyncFnMut() ->
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn outsiders_see_and_use_nothing_members_everything_and_revocation_bites() {
-    let cfg = TestNetConfig::new(vec![]);
-    let spec = Some("1xA100-80GB".to_string());
-    // Five members: node 0 creates the team and certifies the others up front (as
-    // `gpunode team add` does).
-    let dirs: Vec<tempfile::TempDir> = (0..5).map(|_| tempfile::tempdir().expect("dir")).collect();
+/// Starts `n` members of a new team: node 0 creates it and certifies the others up front
+/// (as `gpunode team add` does).
+async fn team_of(
+    cfg: &TestNetConfig,
+    n: usize,
+    spec: &Option<String>,
+) -> (Vec<TestNode>, Vec<PeerId>) {
+    team_with_lifetimes(cfg, n, spec, gpunode_node::team::CERT_LIFETIME_MS).await
+}
+
+/// Like [`team_of`], the members' certificates lasting `lifetime_ms`.
+async fn team_with_lifetimes(
+    cfg: &TestNetConfig,
+    n: usize,
+    spec: &Option<String>,
+    lifetime_ms: u64,
+) -> (Vec<TestNode>, Vec<PeerId>) {
+    let dirs: Vec<tempfile::TempDir> = (0..n).map(|_| tempfile::tempdir().expect("dir")).collect();
     let keys: Vec<_> = dirs
         .iter()
         .map(|d| {
@@ -85,7 +97,14 @@ async fn outsiders_see_and_use_nothing_members_everything_and_revocation_bites()
     let mut certs = Vec::new();
     for id in &ids[1..] {
         let c = root
-            .issue(*id, Role::Member, &keys[0], Some(&team_key), now_ms())
+            .issue_for(
+                *id,
+                Role::Member,
+                &keys[0],
+                Some(&team_key),
+                now_ms(),
+                lifetime_ms,
+            )
             .expect("issue");
         root.admit(c.clone(), now_ms()).expect("admit");
         certs.push(c);
@@ -102,18 +121,83 @@ async fn outsiders_see_and_use_nothing_members_everything_and_revocation_bites()
     let mut dirs = dirs.into_iter();
     let mut members: Vec<TestNode> = Vec::new();
     members.push(
-        start_node_in(&cfg, 0, spec.as_ref(), &[], dirs.next().expect("dir"))
+        start_node_in(cfg, 0, spec.as_ref(), &[], dirs.next().expect("dir"))
             .await
             .expect("node 0"),
     );
     let boot = vec![members[0].addr.clone()];
     for (i, dir) in dirs.enumerate() {
         members.push(
-            start_node_in(&cfg, i + 1, spec.as_ref(), &boot, dir)
+            start_node_in(cfg, i + 1, spec.as_ref(), &boot, dir)
                 .await
                 .expect("member"),
         );
     }
+    (members, ids)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_team_policy_spreads_and_a_quota_refuses_with_its_name() {
+    let cfg = TestNetConfig::new(vec![]);
+    let spec = Some("4xA100-80GB".to_string());
+    let (members, ids) = team_of(&cfg, 2, &spec).await;
+    eventually("the members connect", LONG, async || {
+        connected(&members[1].handle).await.contains(&ids[0])
+    })
+    .await;
+    let seq = members[0]
+        .handle
+        .team_set_policy("[quota]\ngpu_hours_per_day = 1.0\n[priority]\nadmin = 5\n")
+        .await
+        .expect("an admin sets the policy");
+    assert_eq!(seq, 1);
+    assert!(
+        members[1]
+            .handle
+            .team_set_policy("[quota]\ngpu_hours_per_day = 100.0\n")
+            .await
+            .is_err(),
+        "members cannot set the policy"
+    );
+    let member_team = members[1].handle.team().expect("in a team").clone();
+    eventually("the policy reaches the member", LONG, async || {
+        member_team
+            .policy_text()
+            .is_some_and(|t| t.contains("gpu_hours_per_day = 1"))
+    })
+    .await;
+    // 40 minutes on one GPU fits the 1 GPU-hour; another 40 does not.
+    let mut spec = lease_of(&ids[0]);
+    spec.duration_ms = 40 * 60_000;
+    members[1]
+        .handle
+        .request_lease(spec.clone())
+        .await
+        .expect("within the quota");
+    let err = members[1]
+        .handle
+        .request_lease(spec)
+        .await
+        .expect_err("over the quota");
+    assert!(err.to_string().contains("gpu_hours_per_day = 1"), "{err}");
+    assert_eq!(
+        members[0]
+            .handle
+            .metrics()
+            .lease_rejected_count("team_policy"),
+        1
+    );
+    for mut n in members {
+        n.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn outsiders_see_and_use_nothing_members_everything_and_revocation_bites() {
+    let cfg = TestNetConfig::new(vec![]);
+    let spec = Some("1xA100-80GB".to_string());
+    let (members, ids) = team_of(&cfg, 5, &spec).await;
+    let boot = vec![members[0].addr.clone()];
     // Three outsiders: real nodes that know a member's address.
     let mut outsiders = Vec::new();
     for i in 0..3 {
@@ -220,6 +304,59 @@ async fn outsiders_see_and_use_nothing_members_everything_and_revocation_bites()
         .is_err());
 
     for mut n in members.into_iter().chain(outsiders).chain([joiner]) {
+        n.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn certificates_are_renewed_while_an_admin_is_around_and_expire_without() {
+    let cfg = TestNetConfig::new(vec![]);
+    let spec = Some("1xA100-80GB".to_string());
+    let lifetime = 8_000;
+    let (mut members, ids) = team_with_lifetimes(&cfg, 3, &spec, lifetime).await;
+    let first = members[1]
+        .handle
+        .team()
+        .expect("team")
+        .state()
+        .own
+        .cert
+        .clone();
+    eventually(
+        "member 1 renews its certificate with the admin",
+        LONG,
+        async || {
+            members[1]
+                .handle
+                .team()
+                .expect("team")
+                .state()
+                .own
+                .cert
+                .issued_ms
+                > first.issued_ms
+        },
+    )
+    .await;
+    eventually("members 1 and 2 meet", LONG, async || {
+        connected(&members[1].handle).await.contains(&ids[2])
+    })
+    .await;
+    // Without an admin nobody renews: once the certificates expire (plus the tolerated
+    // clock skew) the members drop each other.
+    members[0].shutdown().await;
+    let bound = Duration::from_millis(2 * lifetime + gpunode_protocol::time::MAX_CLOCK_SKEW_MS)
+        + 2 * SYNC_EVERY;
+    eventually("expired members drop each other", bound, async || {
+        !connected(&members[1].handle).await.contains(&ids[2])
+    })
+    .await;
+    assert!(members[1]
+        .handle
+        .request_lease(lease_of(&ids[2]))
+        .await
+        .is_err());
+    for mut n in members {
         n.shutdown().await;
     }
 }

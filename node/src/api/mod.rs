@@ -9,7 +9,8 @@
 //! `GET /v1/jobs/{id}/events?from=N&wait_ms=M` (long poll), `POST /v1/jobs/{id}/cancel`,
 //! `GET /v1/ledger?recent=N`, `GET /v1/ledger/verify`, `GET /v1/ledger/export?format=csv|json`,
 //! `GET /v1/peers`, `GET /v1/team`, `POST /v1/team/invite` (role, uses, expires_ms),
-//! `POST /v1/team/add` and `POST /v1/team/revoke` (`{"peer": ID}`), `GET /metrics`.
+//! `POST /v1/team/add` and `POST /v1/team/revoke` (`{"peer": ID}`), `GET|POST
+//! /v1/team/policy` (`{"text": TOML}`), `GET /metrics`.
 
 mod client;
 
@@ -349,6 +350,27 @@ async fn team_revoke(State(node): State<NodeHandle>, Json(b): Json<MemberBody>) 
     }
 }
 
+async fn team_policy(State(node): State<NodeHandle>) -> Response {
+    match node.team() {
+        Some(t) => t.policy_text().unwrap_or_default().into_response(),
+        None => team_error(crate::team::TeamOpError::NoTeam),
+    }
+}
+
+/// Body of `POST /v1/team/policy`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PolicyBody {
+    /// The policy file's text (TOML).
+    pub text: String,
+}
+
+async fn set_team_policy(State(node): State<NodeHandle>, Json(b): Json<PolicyBody>) -> Response {
+    match node.team_set_policy(&b.text).await {
+        Ok(seq) => Json(serde_json::json!({ "seq": seq })).into_response(),
+        Err(e) => team_error(e),
+    }
+}
+
 async fn metrics_text(metrics: Arc<Metrics>) -> Response {
     (
         [(
@@ -385,6 +407,7 @@ pub async fn serve_unix(listener: UnixListener, node: NodeHandle, mut stop: watc
         .route("/v1/team/invite", axum::routing::post(team_invite))
         .route("/v1/team/add", axum::routing::post(team_add))
         .route("/v1/team/revoke", axum::routing::post(team_revoke))
+        .route("/v1/team/policy", get(team_policy).post(set_team_policy))
         .route("/metrics", get(move || metrics_text(metrics.clone())))
         .with_state(node);
     let _ = axum::serve(listener, app)

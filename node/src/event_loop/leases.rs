@@ -82,11 +82,26 @@ impl EventLoop {
             InboundLease::Invalid(r) => LeaseReply::Rejected(r),
             InboundLease::Message(LeaseMessage::Request(req)) => {
                 let id = LeaseId(rand::random());
-                let admitted = self.accounts.admit(
-                    &peer,
-                    self.leases.exposure(&peer),
-                    self.leases.max_amount_for(&req),
-                );
+                let policy = match &self.team {
+                    Some(team) => team
+                        .check_lease(
+                            &peer,
+                            req.requirements.kind,
+                            req.requirements.gpus,
+                            req.duration_ms,
+                            now,
+                        )
+                        .map_err(|m| Rejection::new(RejectCode::TeamPolicy, m)),
+                    None => Ok(()),
+                };
+                let admitted = policy.and_then(|()| {
+                    self.accounts.admit(
+                        &peer,
+                        self.leases.exposure(&peer),
+                        self.leases.max_amount_for(&req),
+                        self.team.as_ref().and_then(|t| t.allowance_millicredits()),
+                    )
+                });
                 match admitted
                     .and_then(|()| self.leases.on_request(&peer, &req, id, &self.keypair, now))
                 {
@@ -106,7 +121,17 @@ impl EventLoop {
                     .leases
                     .on_accept(&peer, &terms, &provider_sig, &requester_sig, now)
                 {
-                    Ok(lease_id) => LeaseReply::Activated { lease_id },
+                    Ok(lease_id) => {
+                        if let Some(team) = &self.team {
+                            team.record_grant(
+                                peer,
+                                now,
+                                terms.gpus.len() as u32,
+                                terms.end_ms.saturating_sub(terms.start_ms),
+                            );
+                        }
+                        LeaseReply::Activated { lease_id }
+                    }
                     Err(r) => LeaseReply::Rejected(r),
                 }
             }

@@ -156,6 +156,8 @@ pub(crate) struct EventLoop {
     rtts: HashMap<PeerId, Duration>,
     /// Kademlia's protocol name (the public one, or the team's).
     kad_protocol: libp2p::StreamProtocol,
+    /// The node's team, whose policy applies to lease requests.
+    team: Option<Arc<crate::team::service::Team>>,
 }
 
 /// How the loop is set up.
@@ -179,6 +181,8 @@ pub(crate) struct LoopParts {
     pub ended_leases: mpsc::Sender<LeaseRecord>,
     /// Kademlia's protocol name.
     pub kad_protocol: libp2p::StreamProtocol,
+    /// The node's team.
+    pub team: Option<Arc<crate::team::service::Team>>,
 }
 
 impl EventLoop {
@@ -223,6 +227,7 @@ impl EventLoop {
             ended_leases: parts.ended_leases,
             rtts: HashMap::new(),
             kad_protocol: parts.kad_protocol,
+            team: parts.team,
         }
     }
 

@@ -320,8 +320,11 @@ impl JobService {
         {
             cancel.cancel();
         }
+        // Team role priority first (its policy's), then give-to-get standing.
+        let role_priority = self.node.team().map_or(0, |t| t.priority_of(&peer)) as i128;
         let standing = self.node.accounts().standing(&peer);
-        let permits = self.slots.acquire(admitted.cpus, standing).await;
+        let priority = role_priority * 1_000_000_000_000_000 + standing;
+        let permits = self.slots.acquire(admitted.cpus, priority).await;
 
         let metrics = self.node.metrics().clone();
         metrics.jobs_running.inc();

@@ -86,6 +86,9 @@ pub struct JobRequest {
     /// 0 or 1 runs once.
     #[serde(default)]
     pub replicas: u32,
+    /// Interactive (default) or batch work, for team policies' time windows.
+    #[serde(default)]
+    pub kind: gpunode_protocol::team::JobKind,
 }
 
 /// Something that happened to a job, in order.
@@ -337,6 +340,7 @@ impl NodeHandle {
                 duration_ms: req.timeout_ms.saturating_add(LEASE_MARGIN_MS),
                 max_price: req.max_price,
                 exclude: exclude.clone(),
+                kind: req.kind,
             };
             let lease = match self.request_lease(spec).await {
                 Ok(l) => l,

@@ -329,6 +329,7 @@ mod tests {
             retries: 0,
             fuel: None,
             replicas: 0,
+            kind: Default::default(),
         }
     }
 

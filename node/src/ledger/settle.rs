@@ -171,15 +171,27 @@ impl Accounts {
     /// Give-to-get standing of `peer` here, millicredits: the allowance, plus what it
     /// provided to us, minus what it used here (settled or claimed).
     pub fn standing(&self, peer: &PeerId) -> i128 {
+        self.standing_with(peer, self.allowance_millicredits)
+    }
+
+    /// [`Accounts::standing`] with another allowance (a team policy's).
+    pub fn standing_with(&self, peer: &PeerId, allowance_millicredits: u64) -> i128 {
         let a = self.ledger.account(peer);
-        self.allowance_millicredits as i128 + a.spent as i128
+        allowance_millicredits as i128 + a.spent as i128
             - a.earned as i128
             - self.unsettled_with(peer) as i128
     }
 
     /// Whether `peer` may take a lease that can cost up to `new_max` while its open
     /// leases here can cost up to `open_exposure` (millicredits).
-    pub fn admit(&self, peer: &PeerId, open_exposure: u64, new_max: u64) -> Result<(), Rejection> {
+    pub fn admit(
+        &self,
+        peer: &PeerId,
+        open_exposure: u64,
+        new_max: u64,
+        allowance_override: Option<u64>,
+    ) -> Result<(), Rejection> {
+        let allowance = allowance_override.unwrap_or(self.allowance_millicredits);
         let score = self.reputation.score(peer);
         if score < self.min_reputation {
             return Err(Rejection::new(
@@ -190,7 +202,7 @@ impl Accounts {
                 ),
             ));
         }
-        let standing = self.standing(peer);
+        let standing = self.standing_with(peer, allowance);
         let after = standing - open_exposure as i128 - new_max as i128;
         if after < -(self.debt_limit_millicredits as i128) {
             return Err(Rejection::new(
@@ -198,7 +210,7 @@ impl Accounts {
                 format!(
                     "debt limit reached: your standing with this provider is {:.3} credits (allowance {:.3}, plus what you provided it, minus what you used or owe), your open leases here can cost {:.3} and this one {:.3}, which would take you past its debt limit of {:.3}; provide resources to others (gpunode serve) to earn credits, or ask for less",
                     credits(standing),
-                    credits(self.allowance_millicredits),
+                    credits(allowance),
                     credits(open_exposure),
                     credits(new_max),
                     credits(self.debt_limit_millicredits),

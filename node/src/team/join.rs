@@ -89,12 +89,13 @@ pub async fn join(
         }
     }
     .map_err(TeamOpError::Invalid)?;
-    let (cert, members, revocations) = match reply {
+    let (cert, members, revocations, policy) = match reply {
         JoinReply::Admitted {
             cert,
             members,
             revocations,
-        } => (cert, members, revocations),
+            policy,
+        } => (cert, members, revocations, policy),
         JoinReply::Refused(why) => {
             return Err(TeamOpError::Invalid(format!("the team refused: {why}")))
         }
@@ -115,7 +116,11 @@ pub async fn join(
         revocations: None,
         invites: Vec::new(),
         bootstrap: token.bootstrap.clone(),
+        policy: None,
     };
+    if let Some(p) = policy {
+        let _ = state.apply_policy(p, now);
+    }
     if let Some(list) = revocations {
         let _ = state.apply_revocations(list, now);
     }

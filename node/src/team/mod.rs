@@ -10,6 +10,7 @@
 //! state file.
 
 pub mod join;
+pub mod policy;
 pub mod service;
 
 use std::collections::HashSet;
@@ -74,7 +75,7 @@ pub struct Invite {
 }
 
 /// Everything this node knows about its team.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TeamState {
     /// Name given at creation (local only).
     pub name: String,
@@ -92,6 +93,8 @@ pub struct TeamState {
     pub invites: Vec<Invite>,
     /// Members' addresses to dial at start (from the invite token).
     pub bootstrap: Vec<String>,
+    /// The newest team policy known.
+    pub policy: Option<gpunode_protocol::team::SignedPolicy>,
 }
 
 /// The team's directory in a data dir.
@@ -170,6 +173,7 @@ impl TeamState {
             revocations: None,
             invites: Vec::new(),
             bootstrap: Vec::new(),
+            policy: None,
         };
         state.save(data_dir)?;
         Ok(state)
@@ -286,6 +290,24 @@ impl TeamState {
         Ok(true)
     }
 
+    /// Takes a policy if it is valid and newer. Returns whether it was taken.
+    pub fn apply_policy(
+        &mut self,
+        policy: gpunode_protocol::team::SignedPolicy,
+        now: UnixMillis,
+    ) -> Result<bool, TeamOpError> {
+        policy.verify(&self.team, &self.team_key, now)?;
+        if self
+            .policy
+            .as_ref()
+            .is_some_and(|p| p.policy.seq >= policy.policy.seq)
+        {
+            return Ok(false);
+        }
+        self.policy = Some(policy);
+        Ok(true)
+    }
+
     /// Signs a certificate for `member`: with the team key when this node holds it,
     /// otherwise as an admin.
     pub fn issue(
@@ -295,6 +317,19 @@ impl TeamState {
         node_key: &Keypair,
         team_key: Option<&Keypair>,
         now: UnixMillis,
+    ) -> Result<SignedCertificate, TeamOpError> {
+        self.issue_for(member, role, node_key, team_key, now, CERT_LIFETIME_MS)
+    }
+
+    /// [`TeamState::issue`] with a chosen lifetime.
+    pub fn issue_for(
+        &self,
+        member: PeerId,
+        role: Role,
+        node_key: &Keypair,
+        team_key: Option<&Keypair>,
+        now: UnixMillis,
+        lifetime_ms: u64,
     ) -> Result<SignedCertificate, TeamOpError> {
         if self.is_revoked(&member) {
             return Err(TeamOpError::Invalid(format!(
@@ -309,7 +344,7 @@ impl TeamState {
             issuer: node_key.public().to_peer_id(),
             serial: rand::random(),
             issued_ms: now,
-            expires_ms: now + CERT_LIFETIME_MS,
+            expires_ms: now + lifetime_ms,
         };
         if let Some(tk) = team_key {
             cert.issuer = tk.public().to_peer_id();

@@ -32,6 +32,7 @@ pub struct Team {
     node_key: Keypair,
     team_key: Option<Keypair>,
     allowed: Mutex<HashSet<PeerId>>,
+    grants: super::policy::Grants,
 }
 
 impl std::fmt::Debug for Team {
@@ -59,6 +60,7 @@ impl Team {
             node_key,
             team_key,
             allowed: Mutex::new(allowed),
+            grants: Default::default(),
         })))
     }
 
@@ -104,6 +106,7 @@ impl Team {
             team: s.team,
             certs: s.members.clone(),
             revocations: s.revocations.clone(),
+            policy: s.policy.clone(),
         }
     }
 
@@ -117,6 +120,9 @@ impl Team {
         let mut changed = false;
         if let Some(list) = sync.revocations {
             changed |= s.apply_revocations(list, now).unwrap_or(false);
+        }
+        if let Some(policy) = sync.policy {
+            changed |= s.apply_policy(policy, now).unwrap_or(false);
         }
         for cert in sync.certs {
             if !s.is_revoked(&cert.cert.member) {
@@ -173,6 +179,148 @@ impl Team {
         Ok(self.changed(&state))
     }
 
+    /// Signs and adopts a new policy from its file text (admins only); returns the new
+    /// allowed set if it changed (it does not) and the policy's version.
+    pub fn set_policy(&self, text: &str) -> Result<u64, TeamOpError> {
+        let now = now_ms();
+        let mut s = self.lock();
+        if s.own.cert.role != Role::Admin {
+            return Err(TeamOpError::NotAdmin);
+        }
+        let seq = s.policy.as_ref().map_or(1, |p| p.policy.seq + 1);
+        let (issuer, key, cert) = match &self.team_key {
+            Some(tk) => (tk.public().to_peer_id(), tk, None),
+            None => (
+                self.node_key.public().to_peer_id(),
+                &self.node_key,
+                Some(s.own.clone()),
+            ),
+        };
+        let policy =
+            super::policy::parse(text, s.team, issuer, seq).map_err(TeamOpError::Invalid)?;
+        let signed = gpunode_protocol::team::SignedPolicy::sign(policy, key, cert)?;
+        s.apply_policy(signed, now)?;
+        let state = s.clone();
+        drop(s);
+        let _ = self.changed(&state);
+        Ok(seq)
+    }
+
+    /// The policy as an editable file, if one is set.
+    pub fn policy_text(&self) -> Option<String> {
+        self.lock()
+            .policy
+            .as_ref()
+            .map(|p| super::policy::to_toml(&p.policy))
+    }
+
+    /// Whether the team policy lets `peer` have a lease of `gpus` for `duration_ms` of
+    /// `kind` work now; the error names the rule broken.
+    pub fn check_lease(
+        &self,
+        peer: &PeerId,
+        kind: gpunode_protocol::team::JobKind,
+        gpus: u32,
+        duration_ms: u64,
+        now: u64,
+    ) -> Result<(), String> {
+        let s = self.lock();
+        let Some(policy) = &s.policy else {
+            return Ok(());
+        };
+        let (_, _, today, week) = policy.policy.team_time(now);
+        let used = self.grants.used(peer, today, week);
+        policy
+            .policy
+            .check(peer, kind, gpus, duration_ms, used, now)
+    }
+
+    /// Counts a lease granted to `peer` against its quotas.
+    pub fn record_grant(&self, peer: PeerId, at: u64, gpus: u32, duration_ms: u64) {
+        self.grants
+            .record(peer, at, (gpus as u64).saturating_mul(duration_ms));
+    }
+
+    /// The credit allowance the team policy gives members, millicredits.
+    pub fn allowance_millicredits(&self) -> Option<u64> {
+        self.lock()
+            .policy
+            .as_ref()
+            .map(|p| (p.policy.allowance * 1000.0).round() as u64)
+    }
+
+    /// Serving priority of `peer`'s work under the policy (its role's).
+    pub fn priority_of(&self, peer: &PeerId) -> i32 {
+        let s = self.lock();
+        let Some(policy) = &s.policy else { return 0 };
+        s.members
+            .iter()
+            .find(|c| c.cert.member == *peer)
+            .map_or(0, |c| policy.policy.priority(c.cert.role))
+    }
+
+    /// Whether this node's certificate is past half its life.
+    fn needs_renewal(&self, now: u64) -> bool {
+        let s = self.lock();
+        let c = &s.own.cert;
+        now >= c.issued_ms + (c.expires_ms.saturating_sub(c.issued_ms)) / 2
+    }
+
+    /// Renews this node's certificate itself (it holds the team key). Returns whether it
+    /// did.
+    fn renew_self(&self, now: u64) -> bool {
+        let Some(tk) = &self.team_key else {
+            return false;
+        };
+        let mut s = self.lock();
+        let (member, role) = (s.own.cert.member, s.own.cert.role);
+        match s.issue(member, role, &self.node_key, Some(tk), now) {
+            Ok(cert) => {
+                let _ = s.admit(cert, now);
+                let state = s.clone();
+                drop(s);
+                let _ = self.changed(&state);
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
+    /// As an admin: a fresh certificate for `peer`, who shows its current one.
+    fn answer_renewal(
+        &self,
+        peer: PeerId,
+        current: gpunode_protocol::team::SignedCertificate,
+    ) -> Option<gpunode_protocol::team::SignedCertificate> {
+        let now = now_ms();
+        let mut s = self.lock();
+        if current.cert.member != peer
+            || s.is_revoked(&peer)
+            || current.verify(&s.team, &s.team_key, now).is_err()
+        {
+            return None;
+        }
+        let lifetime = current
+            .cert
+            .expires_ms
+            .saturating_sub(current.cert.issued_ms);
+        let cert = s
+            .issue_for(
+                peer,
+                current.cert.role,
+                &self.node_key,
+                self.team_key.as_ref(),
+                now,
+                lifetime,
+            )
+            .ok()?;
+        let _ = s.admit(cert.clone(), now);
+        let state = s.clone();
+        drop(s);
+        let _ = self.changed(&state);
+        Some(cert)
+    }
+
     /// Answers a join over the join identity `peer`.
     fn answer_join(&self, peer: PeerId, req: JoinRequest) -> (JoinReply, Option<HashSet<PeerId>>) {
         let now = now_ms();
@@ -208,6 +356,7 @@ impl Team {
             cert,
             members: s.members.clone(),
             revocations: s.revocations.clone(),
+            policy: s.policy.clone(),
         };
         let state = s.clone();
         drop(s);
@@ -225,11 +374,12 @@ impl Team {
 pub async fn run(team: Arc<Team>, node: NodeHandle, mut stop: watch::Receiver<bool>) {
     let team_id = team.lock().team;
     let mut control = node.stream_control();
-    let (mut joins, mut syncs) = match (
+    let (mut joins, mut syncs, mut renewals) = match (
         control.accept(team_protocol(&team_id, "join")),
         control.accept(team_protocol(&team_id, "sync")),
+        control.accept(team_protocol(&team_id, "renew")),
     ) {
-        (Ok(j), Ok(s)) => (j, s),
+        (Ok(j), Ok(s), Ok(r)) => (j, s, r),
         _ => {
             tracing::error!("cannot accept team streams");
             return;
@@ -251,9 +401,19 @@ pub async fn run(team: Arc<Team>, node: NodeHandle, mut stop: watch::Receiver<bo
                     let _ = tokio::time::timeout(EXCHANGE_TIMEOUT, serve_sync(&t, &n, peer, stream)).await;
                 });
             }
+            Some((peer, stream)) = renewals.next() => {
+                let t = team.clone();
+                tokio::spawn(async move {
+                    let _ = tokio::time::timeout(EXCHANGE_TIMEOUT, serve_renewal(&t, peer, stream)).await;
+                });
+            }
             _ = every.tick() => {
                 if let Some(allowed) = team.tick() {
                     node.set_team_allowed(allowed).await;
+                }
+                if team.needs_renewal(now_ms()) && !team.renew_self(now_ms()) {
+                    let (t, n) = (team.clone(), node.clone());
+                    tokio::spawn(async move { renew_from_admin(&t, &n).await });
                 }
                 let (t, n) = (team.clone(), node.clone());
                 tokio::spawn(async move { sync_with_members(&t, &n).await });
@@ -280,6 +440,76 @@ async fn serve_join(team: &Team, node: &NodeHandle, peer: PeerId, stream: Stream
     let _ = w.close().await;
     if matches!(reply, JoinReply::Admitted { .. }) {
         sync_with_members(team, node).await;
+    }
+}
+
+async fn serve_renewal(team: &Team, peer: PeerId, stream: Stream) {
+    let (mut r, mut w) = AsyncReadExt::split(stream);
+    let reply =
+        match wire::read_message::<_, gpunode_protocol::team::SignedCertificate>(&mut r).await {
+            Ok(current) => team.answer_renewal(peer, current),
+            Err(_) => None,
+        };
+    let _ = wire::write_message(&mut w, &reply).await;
+    let _ = w.flush().await;
+    let _ = w.close().await;
+}
+
+/// Asks a connected admin for a fresh certificate.
+async fn renew_from_admin(team: &Team, node: &NodeHandle) {
+    let Ok(status) = node.status().await else {
+        return;
+    };
+    let (team_id, own, admins) = {
+        let s = team.lock();
+        let admins: HashSet<PeerId> = s
+            .members
+            .iter()
+            .filter(|c| c.cert.role == Role::Admin && c.issuer_cert.is_none())
+            .map(|c| c.cert.member)
+            .collect();
+        (s.team, s.own.clone(), admins)
+    };
+    for admin in status
+        .connected_peers
+        .iter()
+        .filter_map(|p| p.parse::<PeerId>().ok())
+        .filter(|p| admins.contains(p))
+    {
+        let own = own.clone();
+        let exchange = async {
+            let stream = node
+                .open_stream(admin, team_protocol(&team_id, "renew"))
+                .await
+                .ok()?;
+            let (mut r, mut w) = AsyncReadExt::split(stream);
+            wire::write_message(&mut w, &own).await.ok()?;
+            w.flush().await.ok()?;
+            let reply =
+                wire::read_message::<_, Option<gpunode_protocol::team::SignedCertificate>>(&mut r)
+                    .await
+                    .ok()?;
+            let _ = w.close().await;
+            reply
+        };
+        if let Ok(Some(cert)) = tokio::time::timeout(EXCHANGE_TIMEOUT, exchange).await {
+            let allowed = {
+                let now = now_ms();
+                let mut s = team.lock();
+                if cert.cert.member == s.own.cert.member && s.admit(cert, now).unwrap_or(false) {
+                    let state = s.clone();
+                    drop(s);
+                    tracing::info!("team certificate renewed by {admin}");
+                    team.changed(&state)
+                } else {
+                    None
+                }
+            };
+            if let Some(a) = allowed {
+                node.set_team_allowed(a).await;
+            }
+            return;
+        }
     }
 }
 
@@ -363,6 +593,14 @@ impl NodeHandle {
         }
         sync_with_members(&team, self).await;
         Ok(())
+    }
+
+    /// Sets the team policy from its file text (admins only) and tells the members.
+    pub async fn team_set_policy(&self, text: &str) -> Result<u64, TeamOpError> {
+        let team = self.team_or_err()?.clone();
+        let seq = team.set_policy(text)?;
+        sync_with_members(&team, self).await;
+        Ok(seq)
     }
 
     /// Revokes a member (admins only): it is dropped here at once and by the other
