@@ -96,6 +96,9 @@ fn apply_serve_args(config: &mut NodeConfig, args: &ServeArgs) -> Result<(), Con
     if let Some(spec) = &args.simulate_gpus {
         config.simulate_gpus = Some(spec.clone());
     }
+    if let Some(psk) = &args.team_psk {
+        config.team_psk = Some(psk.clone());
+    }
     if let Some(p) = args.price {
         config.price_per_gpu_hour = p;
     }

@@ -367,6 +367,10 @@ struct ServeArgs {
     /// How often to read the GPU inventory, e.g. 2s.
     #[arg(long, value_name = "DURATION")]
     inventory_poll: Option<String>,
+    /// Pre-shared key for TCP (64 hex digits, the same on every team machine): hides
+    /// the node from anyone without it. QUIC cannot use it.
+    #[arg(long, value_name = "HEX")]
+    team_psk: Option<String>,
 }
 
 #[derive(Debug, Args)]

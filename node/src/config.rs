@@ -103,6 +103,9 @@ pub struct NodeConfig {
     /// Peers whose reputation here is below this (0 to 1; unknown peers are 0.5) are
     /// refused leases.
     pub min_reputation: f64,
+    /// Pre-shared key (64 hex digits) for TCP connections (libp2p pnet): nodes without
+    /// it cannot even complete a TCP handshake. QUIC cannot use it.
+    pub team_psk: Option<String>,
 }
 
 impl Default for NodeConfig {
@@ -138,6 +141,7 @@ impl Default for NodeConfig {
             allowance: 100.0,
             debt_limit: 0.0,
             min_reputation: 0.2,
+            team_psk: None,
         }
     }
 }
@@ -168,8 +172,29 @@ impl NodeConfig {
         Ok(config)
     }
 
+    /// The TCP pre-shared key, if set.
+    pub fn tcp_psk(&self) -> Result<Option<[u8; 32]>, ConfigError> {
+        let Some(text) = &self.team_psk else {
+            return Ok(None);
+        };
+        let t = text.trim();
+        if t.len() != 64 || !t.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(ConfigError::Invalid(
+                "team_psk must be 64 hex digits (32 random bytes, e.g. from `openssl rand -hex 32`)"
+                    .into(),
+            ));
+        }
+        let mut key = [0u8; 32];
+        for (i, pair) in t.as_bytes().chunks(2).enumerate() {
+            let hex = std::str::from_utf8(pair).unwrap_or("00");
+            key[i] = u8::from_str_radix(hex, 16).unwrap_or(0);
+        }
+        Ok(Some(key))
+    }
+
     /// Checks values that the types alone do not.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        self.tcp_psk()?;
         if !(self.price_per_gpu_hour.is_finite() && self.price_per_gpu_hour >= 0.0) {
             return Err(ConfigError::Invalid(format!(
                 "price_per_gpu_hour must be a non-negative number of credits, not {}",
@@ -363,6 +388,9 @@ mod tests {
         assert!(NodeConfig::parse("debt_limit = nan")
             .unwrap_err()
             .contains("debt_limit"));
+        assert!(NodeConfig::parse("team_psk = \"abc\"")
+            .unwrap_err()
+            .contains("64 hex"));
         assert!(NodeConfig::parse("min_reputation = 2.0")
             .unwrap_err()
             .contains("min_reputation"));

@@ -390,6 +390,7 @@ impl Node {
                 provider_record_ttl: config.advert_ttl * 2,
                 server: opts.role == Role::Provider,
                 team: team.as_ref().map(|t| (t.state().team, t.allowed())),
+                tcp_psk: config.tcp_psk()?,
             },
         )?;
         let listen = if opts.role == Role::Client {

@@ -65,6 +65,8 @@ pub struct SwarmSettings {
     pub server: bool,
     /// A private team: its id (names its Kademlia protocol) and the peers allowed now.
     pub team: Option<(gpunode_protocol::team::TeamId, HashSet<PeerId>)>,
+    /// Pre-shared key for TCP (libp2p pnet), when set.
+    pub tcp_psk: Option<[u8; 32]>,
 }
 
 /// Builds the swarm for `key` with every protocol configured.
@@ -73,85 +75,118 @@ pub fn build_swarm(
     settings: &SwarmSettings,
 ) -> Result<Swarm<NodeBehaviour>, NetworkSetupError> {
     let err = |e: &dyn std::fmt::Display| NetworkSetupError(e.to_string());
-    let swarm = libp2p::SwarmBuilder::with_existing_identity(key)
-        .with_tokio()
-        .with_tcp(
-            tcp::Config::default().nodelay(true),
-            noise::Config::new,
-            yamux::Config::default,
-        )
-        .map_err(|e| err(&e))?
-        .with_quic()
-        .with_behaviour(|key| {
-            let peer_id = key.public().to_peer_id();
-            let store = MemoryStore::with_config(
-                peer_id,
-                MemoryStoreConfig {
-                    max_records: 20_000,
-                    max_value_bytes: MAX_SIGNED_ADVERT_BYTES,
-                    max_providers_per_key: 256,
-                    max_provided_keys: 256,
-                },
-            );
-            let kad_protocol = match &settings.team {
-                Some((team, _)) => crate::team::team_protocol(team, "kad"),
-                None => KAD_PROTOCOL,
-            };
-            let mut kad_config = kad::Config::new(kad_protocol);
-            kad_config
-                .set_record_filtering(kad::StoreInserts::FilterBoth)
-                .set_query_timeout(Duration::from_secs(10))
-                .set_caching(kad::Caching::Disabled)
-                // The node re-publishes its advert and provider records itself.
-                .set_publication_interval(None)
-                .set_provider_publication_interval(None)
-                .set_provider_record_ttl(Some(settings.provider_record_ttl))
-                .set_max_packet_size(64 * 1024);
-            let mut kad = kad::Behaviour::with_config(peer_id, store, kad_config);
-            kad.set_mode(Some(if settings.server {
-                kad::Mode::Server
-            } else {
-                kad::Mode::Client
-            }));
-            let identify = identify::Behaviour::new(
-                identify::Config::new(IDENTIFY_PROTOCOL_VERSION.to_string(), key.public())
-                    .with_agent_version(format!("gpunode/{}", env!("CARGO_PKG_VERSION"))),
-            );
-            let mdns = if settings.mdns {
-                Some(mdns::tokio::Behaviour::new(
-                    mdns::Config::default(),
-                    peer_id,
-                )?)
-            } else {
-                None
-            };
-            let lease = request_response::Behaviour::with_codec(
-                LeaseCodec,
-                [(LEASE_PROTOCOL, request_response::ProtocolSupport::Full)],
-                request_response::Config::default()
-                    .with_request_timeout(Duration::from_secs(10))
-                    .with_max_concurrent_streams(256),
-            );
-            let allow = settings.team.as_ref().map(|(_, peers)| {
-                let mut allow =
-                    allow_block_list::Behaviour::<allow_block_list::AllowedPeers>::default();
-                for p in peers {
-                    allow.allow_peer(*p);
-                }
-                allow
-            });
-            Ok(NodeBehaviour {
-                allow: Toggle::from(allow),
-                kad,
-                identify,
-                ping: ping::Behaviour::default(),
-                mdns: Toggle::from(mdns),
-                lease,
-                stream: libp2p_stream::Behaviour::new(),
+    let idle = settings.idle_connection_timeout;
+    let swarm = match settings.tcp_psk {
+        None => libp2p::SwarmBuilder::with_existing_identity(key)
+            .with_tokio()
+            .with_tcp(
+                tcp::Config::default().nodelay(true),
+                noise::Config::new,
+                yamux::Config::default,
+            )
+            .map_err(|e| err(&e))?
+            .with_quic()
+            .with_behaviour(|key| behaviour(key, settings))
+            .map_err(|e| err(&e))?
+            .with_swarm_config(|c| c.with_idle_connection_timeout(idle))
+            .build(),
+        // TCP behind a pre-shared key (pnet): a port scanner without the key sees only
+        // noise. QUIC cannot carry pnet; it stays, guarded by the team allow-list.
+        Some(psk) => libp2p::SwarmBuilder::with_existing_identity(key)
+            .with_tokio()
+            .with_quic()
+            .with_other_transport(|key| {
+                use libp2p::core::transport::Transport as _;
+                let noise = noise::Config::new(key)?;
+                let psk = libp2p::pnet::PreSharedKey::new(psk);
+                Ok(
+                    tcp::tokio::Transport::new(tcp::Config::default().nodelay(true))
+                        .and_then(move |socket, _| {
+                            libp2p::pnet::PnetConfig::new(psk).handshake(socket)
+                        })
+                        .upgrade(libp2p::core::upgrade::Version::V1Lazy)
+                        .authenticate(noise)
+                        .multiplex(yamux::Config::default())
+                        .timeout(Duration::from_secs(20)),
+                )
             })
-        })
-        .map_err(|e| err(&e))?
-        .with_swarm_config(|c| c.with_idle_connection_timeout(settings.idle_connection_timeout))
-        .build();
+            .map_err(|e| err(&e))?
+            .with_behaviour(|key| behaviour(key, settings))
+            .map_err(|e| err(&e))?
+            .with_swarm_config(|c| c.with_idle_connection_timeout(idle))
+            .build(),
+    };
     Ok(swarm)
+}
+
+/// Every protocol of a node, configured.
+fn behaviour(
+    key: &Keypair,
+    settings: &SwarmSettings,
+) -> Result<NodeBehaviour, Box<dyn std::error::Error + Send + Sync>> {
+    let peer_id = key.public().to_peer_id();
+    let store = MemoryStore::with_config(
+        peer_id,
+        MemoryStoreConfig {
+            max_records: 20_000,
+            max_value_bytes: MAX_SIGNED_ADVERT_BYTES,
+            max_providers_per_key: 256,
+            max_provided_keys: 256,
+        },
+    );
+    let kad_protocol = match &settings.team {
+        Some((team, _)) => crate::team::team_protocol(team, "kad"),
+        None => KAD_PROTOCOL,
+    };
+    let mut kad_config = kad::Config::new(kad_protocol);
+    kad_config
+        .set_record_filtering(kad::StoreInserts::FilterBoth)
+        .set_query_timeout(Duration::from_secs(10))
+        .set_caching(kad::Caching::Disabled)
+        // The node re-publishes its advert and provider records itself.
+        .set_publication_interval(None)
+        .set_provider_publication_interval(None)
+        .set_provider_record_ttl(Some(settings.provider_record_ttl))
+        .set_max_packet_size(64 * 1024);
+    let mut kad = kad::Behaviour::with_config(peer_id, store, kad_config);
+    kad.set_mode(Some(if settings.server {
+        kad::Mode::Server
+    } else {
+        kad::Mode::Client
+    }));
+    let identify = identify::Behaviour::new(
+        identify::Config::new(IDENTIFY_PROTOCOL_VERSION.to_string(), key.public())
+            .with_agent_version(format!("gpunode/{}", env!("CARGO_PKG_VERSION"))),
+    );
+    let mdns = if settings.mdns {
+        Some(mdns::tokio::Behaviour::new(
+            mdns::Config::default(),
+            peer_id,
+        )?)
+    } else {
+        None
+    };
+    let lease = request_response::Behaviour::with_codec(
+        LeaseCodec,
+        [(LEASE_PROTOCOL, request_response::ProtocolSupport::Full)],
+        request_response::Config::default()
+            .with_request_timeout(Duration::from_secs(10))
+            .with_max_concurrent_streams(256),
+    );
+    let allow = settings.team.as_ref().map(|(_, peers)| {
+        let mut allow = allow_block_list::Behaviour::<allow_block_list::AllowedPeers>::default();
+        for p in peers {
+            allow.allow_peer(*p);
+        }
+        allow
+    });
+    Ok(NodeBehaviour {
+        allow: Toggle::from(allow),
+        kad,
+        identify,
+        ping: ping::Behaviour::default(),
+        mdns: Toggle::from(mdns),
+        lease,
+        stream: libp2p_stream::Behaviour::new(),
+    })
 }

@@ -360,3 +360,30 @@ async fn certificates_are_renewed_while_an_admin_is_around_and_expire_without() 
         n.shutdown().await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_with_a_pre_shared_key_admits_only_holders_of_the_key() {
+    fn psk(i: usize, c: &mut gpunode_node::NodeConfig) {
+        c.team_psk = Some(if i < 2 { "11" } else { "22" }.repeat(32));
+    }
+    let mut cfg = TestNetConfig::new(vec![]);
+    cfg.transport = testnet::Transport::Tcp;
+    cfg.tweak = Some(psk);
+    let mut a = testnet::start_node(&cfg, 0, None, &[]).await.expect("a");
+    let boot = vec![a.addr.clone()];
+    let mut b = testnet::start_node(&cfg, 1, None, &boot).await.expect("b");
+    let mut c = testnet::start_node(&cfg, 2, None, &boot).await.expect("c");
+    let a_id = a.handle.peer_id();
+    eventually("the key holder connects", LONG, async || {
+        connected(&b.handle).await.contains(&a_id)
+    })
+    .await;
+    // The other key never completes a handshake, however hard it tries.
+    let mut spec = lease_of(&a_id);
+    spec.gpus = 0;
+    assert!(c.handle.request_lease(spec).await.is_err());
+    assert!(!connected(&c.handle).await.contains(&a_id));
+    for n in [&mut a, &mut b, &mut c] {
+        n.shutdown().await;
+    }
+}

@@ -48,6 +48,7 @@ pub async fn join(
             provider_record_ttl: Duration::from_secs(60),
             server: false,
             team: Some((token.team, [token.inviter].into_iter().collect())),
+            tcp_psk: None,
         },
     )
     .map_err(|e| TeamOpError::Invalid(e.to_string()))?;
