@@ -184,10 +184,16 @@ pub struct LeaseReport {
 
 /// Lease negotiation between nodes on loopback over QUIC, with durable stores: the round
 /// trip of one requester, then the rate one provider sustains with `requesters` at once.
-pub async fn lease(round_trips: usize, requesters: usize, seconds: u64) -> Result<LeaseReport> {
+pub async fn lease(
+    round_trips: usize,
+    requesters: usize,
+    seconds: u64,
+    lease_ms: u64,
+) -> Result<LeaseReport> {
     fn roomy(_: usize, c: &mut gpunode_node::NodeConfig) {
         c.cpu_cores = Some(1_000_000);
         c.ram = Some(1 << 50);
+        c.allowance = 1e9;
     }
     let mut config = TestNetConfig::new(vec![Some("1xA100-80GB".to_string())]);
     config.tweak = Some(roomy);
@@ -203,7 +209,7 @@ pub async fn lease(round_trips: usize, requesters: usize, seconds: u64) -> Resul
         cpus: 1,
         mem_bytes: 1 << 20,
         backend: "wasm".into(),
-        duration_ms: 2_000,
+        duration_ms: lease_ms,
         max_price: None,
         exclude: Vec::new(),
         kind: Default::default(),

@@ -67,6 +67,58 @@ struct StoredClaim {
     disputed: Option<String>,
 }
 
+/// Unsettled claims, indexed for the questions asked on every lease request and every
+/// settlement round: what a peer owes, and which claims wait for an answer.
+#[derive(Debug, Default)]
+struct ClaimBook {
+    by_lease: HashMap<LeaseId, StoredClaim>,
+    owed: HashMap<PeerId, u64>,
+    waiting: HashMap<PeerId, std::collections::BTreeSet<LeaseId>>,
+}
+
+impl ClaimBook {
+    fn insert(&mut self, id: LeaseId, claim: StoredClaim) {
+        self.remove(&id);
+        let peer = claim.claim.receipt.requester;
+        *self.owed.entry(peer).or_default() += claim.claim.receipt.amount_millicredits;
+        if claim.disputed.is_none() {
+            self.waiting.entry(peer).or_default().insert(id);
+        }
+        self.by_lease.insert(id, claim);
+    }
+
+    fn remove(&mut self, id: &LeaseId) {
+        let Some(old) = self.by_lease.remove(id) else {
+            return;
+        };
+        let peer = old.claim.receipt.requester;
+        if let Some(o) = self.owed.get_mut(&peer) {
+            *o = o.saturating_sub(old.claim.receipt.amount_millicredits);
+            if *o == 0 {
+                self.owed.remove(&peer);
+            }
+        }
+        if let Some(w) = self.waiting.get_mut(&peer) {
+            w.remove(id);
+            if w.is_empty() {
+                self.waiting.remove(&peer);
+            }
+        }
+    }
+
+    fn contains_key(&self, id: &LeaseId) -> bool {
+        self.by_lease.contains_key(id)
+    }
+
+    fn values(&self) -> impl Iterator<Item = &StoredClaim> {
+        self.by_lease.values()
+    }
+
+    fn len(&self) -> usize {
+        self.by_lease.len()
+    }
+}
+
 /// The credit side of a node: ledger, reputation, usage meters, unsettled claims and the
 /// admission rules that use them.
 pub struct Accounts {
@@ -78,7 +130,7 @@ pub struct Accounts {
     pub metered: UsageMeter,
     /// Usage of leases we hold, as observed here.
     pub observed: UsageMeter,
-    claims: Mutex<HashMap<LeaseId, StoredClaim>>,
+    claims: Mutex<ClaimBook>,
     /// Requester side: receipts we refused, by lease (why), until the process ends.
     refused: Mutex<HashMap<LeaseId, String>>,
     /// Bumped after every batch of claims we answered.
@@ -121,7 +173,7 @@ impl Accounts {
         misbehaviour: Misbehaviour,
     ) -> Result<(Arc<Accounts>, LedgerWriter), LedgerError> {
         let (ledger, writer) = Ledger::open(store.clone(), keypair.clone())?;
-        let mut claims = HashMap::new();
+        let mut claims = ClaimBook::default();
         for (k, v) in store.scan(CLAIMS_TREE)? {
             if let (Ok(id), Ok(c)) = (
                 <[u8; 16]>::try_from(k.as_slice()),
@@ -148,17 +200,13 @@ impl Accounts {
         Ok((Arc::new(accounts), writer))
     }
 
-    fn claims(&self) -> std::sync::MutexGuard<'_, HashMap<LeaseId, StoredClaim>> {
+    fn claims(&self) -> std::sync::MutexGuard<'_, ClaimBook> {
         self.claims.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// What `peer` has claimed from us and not settled, millicredits (disputed included).
     pub fn unsettled_with(&self, peer: &PeerId) -> u64 {
-        self.claims()
-            .values()
-            .filter(|c| c.claim.receipt.requester == *peer)
-            .map(|c| c.claim.receipt.amount_millicredits)
-            .sum()
+        self.claims().owed.get(peer).copied().unwrap_or(0)
     }
 
     /// Unsettled claims: (pending, disputed).
@@ -306,15 +354,23 @@ impl Accounts {
         }
     }
 
-    /// Claims not yet answered (not disputed), by requester.
-    fn pending_claims(&self) -> HashMap<PeerId, Vec<Claim>> {
-        let mut out: HashMap<PeerId, Vec<Claim>> = HashMap::new();
-        for c in self.claims().values().filter(|c| c.disputed.is_none()) {
-            out.entry(c.claim.receipt.requester)
-                .or_default()
-                .push(c.claim.clone());
-        }
-        out
+    /// Requesters with claims waiting for an answer.
+    fn waiting_peers(&self) -> Vec<PeerId> {
+        self.claims().waiting.keys().copied().collect()
+    }
+
+    /// Up to `n` claims waiting for `peer`'s answer.
+    fn waiting_claims(&self, peer: &PeerId, n: usize) -> Vec<Claim> {
+        let book = self.claims();
+        book.waiting
+            .get(peer)
+            .map(|ids| {
+                ids.iter()
+                    .take(n)
+                    .filter_map(|id| book.by_lease.get(id).map(|c| c.claim.clone()))
+                    .collect()
+            })
+            .unwrap_or_default()
     }
 
     /// Provider side: the requester's answers to `claims`.
@@ -690,11 +746,11 @@ pub async fn run_claims(
             _ = stop.changed() => return,
         }
         let now = tokio::time::Instant::now();
-        for (peer, mut claims) in accounts.pending_claims() {
+        for peer in accounts.waiting_peers() {
             if in_flight.contains(&peer) || backoff.get(&peer).is_some_and(|(at, _)| *at > now) {
                 continue;
             }
-            claims.truncate(MAX_CLAIMS_PER_MESSAGE);
+            let claims = accounts.waiting_claims(&peer, MAX_CLAIMS_PER_MESSAGE);
             in_flight.insert(peer);
             let (a, n, done) = (accounts.clone(), node.clone(), done_tx.clone());
             tokio::spawn(async move {

@@ -78,6 +78,10 @@ enum Bench {
         /// Length of the throughput run, seconds.
         #[arg(long, default_value_t = 10)]
         seconds: u64,
+        /// Length of each lease, ms. Short leases end and settle (usage receipts) during
+        /// the run; leases longer than the run measure negotiation alone.
+        #[arg(long, default_value_t = 2_000)]
+        lease_ms: u64,
     },
     /// Whole `gpunode run` of a trivial task on a warm 3-node network, CLI included.
     Dispatch {
@@ -230,12 +234,18 @@ fn main() -> Result<()> {
                     round_trips,
                     requesters,
                     seconds,
+                    lease_ms,
                 },
         } => {
             let rt = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
                 .build()?;
-            let report = rt.block_on(testnet::bench::lease(round_trips, requesters, seconds))?;
+            let report = rt.block_on(testnet::bench::lease(
+                round_trips,
+                requesters,
+                seconds,
+                lease_ms,
+            ))?;
             println!("{}", serde_json::to_string(&report)?);
             Ok(())
         }
