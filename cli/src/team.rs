@@ -108,17 +108,11 @@ pub async fn team(data_dir: DataDir, cmd: TeamCommand) -> Result<ExitCode> {
                     )
                     .await?;
             } else {
-                let peer_id = peer
-                    .trim()
-                    .parse()
-                    .map_err(|_| anyhow::anyhow!("'{peer}' is not a peer id (12D3KooW...)"))?;
-                let mut state =
-                    TeamState::load(&root)?.ok_or(gpunode_node::team::TeamOpError::NoTeam)?;
-                let key = data_dir.load_or_create_identity()?;
-                let team_key = TeamState::team_keypair(&root)?;
-                let cert = state.issue(peer_id, role, &key, team_key.as_ref(), now_ms())?;
-                state.admit(cert, now_ms())?;
-                state.save(&root)?;
+                offline_admin(&data_dir, &peer, |state, peer, key, team_key| {
+                    let cert = state.issue(peer, role, key, team_key, now_ms())?;
+                    state.admit(cert, now_ms())?;
+                    Ok(())
+                })?;
             }
             eprintln!("Added {} to the team as {role:?}.", short_peer(&peer));
         }
@@ -134,16 +128,9 @@ pub async fn team(data_dir: DataDir, cmd: TeamCommand) -> Result<ExitCode> {
                     )
                     .await?;
             } else {
-                let peer_id = peer
-                    .trim()
-                    .parse()
-                    .map_err(|_| anyhow::anyhow!("'{peer}' is not a peer id (12D3KooW...)"))?;
-                let mut state =
-                    TeamState::load(&root)?.ok_or(gpunode_node::team::TeamOpError::NoTeam)?;
-                let key = data_dir.load_or_create_identity()?;
-                let team_key = TeamState::team_keypair(&root)?;
-                state.revoke(peer_id, &key, team_key.as_ref(), now_ms())?;
-                state.save(&root)?;
+                offline_admin(&data_dir, &peer, |state, peer, key, team_key| {
+                    state.revoke(peer, key, team_key, now_ms()).map(|_| ())
+                })?;
             }
             eprintln!(
                 "Revoked {}: members drop it as the revocation reaches them (within about {} s).",
@@ -195,6 +182,32 @@ pub async fn team(data_dir: DataDir, cmd: TeamCommand) -> Result<ExitCode> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// An admin change to the team state while no daemon runs: `change` gets the state,
+/// the peer named on the command line, this node's key and the team key (if held here);
+/// the state is saved only if it succeeds.
+fn offline_admin(
+    data_dir: &DataDir,
+    peer: &str,
+    change: impl FnOnce(
+        &mut TeamState,
+        gpunode_protocol::PeerId,
+        &gpunode_protocol::Keypair,
+        Option<&gpunode_protocol::Keypair>,
+    ) -> Result<(), gpunode_node::team::TeamOpError>,
+) -> Result<()> {
+    let root = data_dir.root();
+    let peer = peer
+        .trim()
+        .parse()
+        .map_err(|_| anyhow::anyhow!("'{peer}' is not a peer id (12D3KooW...)"))?;
+    let mut state = TeamState::load(root)?.ok_or(gpunode_node::team::TeamOpError::NoTeam)?;
+    let key = data_dir.load_or_create_identity()?;
+    let team_key = TeamState::team_keypair(root)?;
+    change(&mut state, peer, &key, team_key.as_ref())?;
+    state.save(root)?;
+    Ok(())
 }
 
 fn humanize(d: std::time::Duration) -> String {

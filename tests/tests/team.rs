@@ -118,6 +118,20 @@ fn create_invite_join_and_run_inside_a_team() {
     for p in [&mut pa, &mut pb, &mut pc] {
         p.stop(SIGINT, Duration::from_secs(10)).expect("stops");
     }
+    // With the daemons stopped, an admin still adds and revokes, straight in its files.
+    let e = ok(&gpunode(&tmp.path().join("e"), &["id"]));
+    ok(&gpunode(&a, &["team", "add", &e]));
+    ok(&gpunode(&a, &["team", "revoke", &pc.peer_id]));
+    refused(&gpunode(&a, &["team", "revoke", "bob"]), "is not a peer id");
+    refused(&gpunode(&b, &["team", "add", &e]), "only a team admin");
+    let members: Value =
+        serde_json::from_str(&ok(&gpunode(&a, &["team", "members", "--json"]))).expect("json");
+    let list = members["members"].as_array().expect("members");
+    assert!(list.iter().any(|m| m["peer_id"] == e.as_str()));
+    assert!(list
+        .iter()
+        .any(|m| m["peer_id"] == pc.peer_id.as_str() && m["revoked"] == true));
+
     ok(&gpunode(&c, &["team", "leave"]));
     refused(&gpunode(&c, &["team", "members"]), "in no team");
 }

@@ -82,13 +82,15 @@ impl ChainHead {
         if self.seq == 0 && self.signature.is_empty() {
             return true;
         }
-        signing::verify_batch(&[BatchItem {
-            signer,
-            tag: HEAD_SIGNING_TAG,
-            body: &Self::signed_bytes(self.seq, &self.hash),
-            signature: &self.signature,
-        }])
-        .is_ok()
+        gpunode_protocol::lease::public_key_of(signer).is_ok_and(|key| {
+            signing::verify(
+                &key,
+                HEAD_SIGNING_TAG,
+                &Self::signed_bytes(self.seq, &self.hash),
+                &self.signature,
+            )
+            .is_ok()
+        })
     }
 }
 
