@@ -8,7 +8,7 @@ use gpunode_e2e::{gpunode, stderr, stdout, workspace_file};
 use serde_json::Value;
 use testnet::process::SIGINT;
 
-mod common;
+use crate::common;
 use common::provider_and_requester;
 
 fn json(out: &std::process::Output) -> Value {

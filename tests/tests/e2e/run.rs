@@ -8,7 +8,7 @@ use gpunode_e2e::{example_checksum_wasm, gpunode, gpunode_bin, stderr, stdout, w
 use serde_json::Value;
 use testnet::process::{ServeProcess, SIGINT, SIGKILL};
 
-mod common;
+use crate::common;
 use common::provider_and_requester;
 
 fn sha256_hex(data: &[u8]) -> String {

@@ -1,0 +1,11 @@
+//! Networks of real nodes on 127.0.0.1, one test binary for all of them (each binary
+//! links libp2p and wasmtime, so one binary instead of seven saves gigabytes of disk
+//! and minutes of linking).
+
+mod discovery;
+mod hostile_peers;
+mod jobs;
+mod leases;
+mod ledger;
+mod ledger_crash;
+mod teams;

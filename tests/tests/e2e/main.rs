@@ -1,0 +1,14 @@
+//! End-to-end tests of the `gpunode` binary as users run it, one test binary for all of
+//! them (each binary links libp2p and wasmtime; one instead of eight saves gigabytes of
+//! disk and minutes of linking).
+
+mod common;
+
+mod bad_input;
+mod interop;
+mod lease;
+mod ledger;
+mod mdns;
+mod run;
+mod serve;
+mod team;
