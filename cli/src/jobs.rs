@@ -11,7 +11,7 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use gpunode_node::api::ApiClient;
 use gpunode_node::jobs::table::EventPage;
-use gpunode_node::jobs::{JobEvent, JobRequest, JobSummary, JobView};
+use gpunode_node::jobs::{ContainerRequest, JobEvent, JobRequest, JobSummary, JobView};
 use gpunode_node::{DataDir, NodeConfig, NodeHandle};
 use gpunode_protocol::job::JobOutcome;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -91,13 +91,54 @@ fn job_request(args: &RunArgs) -> Result<JobRequest> {
         }
         env.push((k.to_string(), v.to_string()));
     }
-    let module = absolute(&args.task)?;
-    if !module.is_file() {
-        anyhow::bail!(
-            "task file {} does not exist (give a .wasm or .wat file)",
-            args.task.display()
-        );
-    }
+    let container = args.backend.as_deref() == Some("container")
+        || (args.backend.is_none() && (args.image.is_some() || args.host_env));
+    let (module, container, task_args) = if container {
+        if let Some(task) = &args.task {
+            anyhow::bail!(
+                "a container job takes no TASK file ({}): put the command after --, e.g. gpunode run --image img.tar -- python train.py",
+                task.display()
+            );
+        }
+        let image = args.image.as_deref().map(absolute).transpose()?;
+        match &image {
+            Some(path) if !path.is_file() => {
+                anyhow::bail!("image archive {} does not exist", path.display())
+            }
+            None if !args.host_env => anyhow::bail!(
+                "a container job needs --image ARCHIVE (docker save, OCI archive) or --host-env"
+            ),
+            None if args.args.is_empty() => anyhow::bail!(
+                "--host-env needs a command after --, e.g. gpunode run --host-env -- nvidia-smi"
+            ),
+            _ => {}
+        }
+        let shown = image
+            .clone()
+            .unwrap_or_else(|| PathBuf::from(args.args.first().cloned().unwrap_or_default()));
+        let request = ContainerRequest {
+            image,
+            command: args.args.clone(),
+        };
+        (shown, Some(request), Vec::new())
+    } else {
+        if args.image.is_some() || args.host_env {
+            anyhow::bail!("--image and --host-env are for --backend container");
+        }
+        let Some(task) = &args.task else {
+            anyhow::bail!(
+                "give a TASK file (.wasm or .wat), or run a container with --image ARCHIVE or --host-env"
+            );
+        };
+        let module = absolute(task)?;
+        if !module.is_file() {
+            anyhow::bail!(
+                "task file {} does not exist (give a .wasm or .wat file)",
+                task.display()
+            );
+        }
+        (module, None, args.args.clone())
+    };
     let (output_dir, per_job) = match &args.output {
         Some(dir) => (absolute(dir)?, false),
         None => (absolute(Path::new("gpunode-out"))?, true),
@@ -108,6 +149,7 @@ fn job_request(args: &RunArgs) -> Result<JobRequest> {
     }
     Ok(JobRequest {
         module,
+        container,
         inputs: args
             .input
             .iter()
@@ -115,7 +157,7 @@ fn job_request(args: &RunArgs) -> Result<JobRequest> {
             .collect::<Result<_>>()?,
         output_dir,
         output_per_job: per_job,
-        args: args.args.clone(),
+        args: task_args,
         env,
         gpus: args.gpus,
         gpu_model: args.gpu_model.clone(),
@@ -288,7 +330,7 @@ async fn follow(
                         output::short_peer(&provider)
                     )?;
                 }
-                JobEvent::Finished { summary } => end = Some(End::Finished(Box::new(summary))),
+                JobEvent::Finished { summary } => end = Some(End::Finished(summary)),
                 JobEvent::Failed { error } => end = Some(End::Failed(error)),
                 _ => {}
             }
@@ -315,6 +357,7 @@ fn outcome_words(outcome: &JobOutcome) -> String {
         JobOutcome::OutOfMemory => "ran out of memory".into(),
         JobOutcome::OutputTooLarge(w) => format!("output too large ({w})"),
         JobOutcome::Cancelled => "cancelled".into(),
+        JobOutcome::Preempted => "preempted by the GPU's owner".into(),
     }
 }
 
@@ -338,8 +381,16 @@ fn summary_line(job_id: &str, s: &JobSummary) -> String {
         "pending" => " (estimate: receipt pending)".to_string(),
         other => format!(" (estimate: {other})"),
     };
+    let gpu = match &s.gpu {
+        Some(g) => format!(
+            ", GPU {:.1}s (peak {})",
+            g.gpu_ms as f64 / 1000.0,
+            gpunode_protocol::units::format_bytes(g.peak_memory_bytes)
+        ),
+        None => String::new(),
+    };
     let mut line = format!(
-        "gpunode: job {job_id} {} on {} in {:.2}s{retries}, cost {} credits{receipt}{outputs}",
+        "gpunode: job {job_id} {} on {} in {:.2}s{gpu}{retries}, cost {} credits{receipt}{outputs}",
         outcome_words(&s.outcome),
         output::short_peer(&s.provider),
         s.wall_ms as f64 / 1000.0,

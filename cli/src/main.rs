@@ -167,9 +167,21 @@ struct PeersArgs {
 struct RunArgs {
     #[command(flatten)]
     net: NetworkArgs,
-    /// The task: a WASI preview 1 module (.wasm) or its text form (.wat).
+    /// The task: a WASI preview 1 module (.wasm) or its text form (.wat). Container
+    /// jobs take none: their command follows `--`.
     #[arg(value_name = "TASK")]
-    task: PathBuf,
+    task: Option<PathBuf>,
+    /// Executor: `wasm` (a TASK file) or `container` (a command after `--`, under
+    /// bubblewrap, with GPUs) [default: container with --image or --host-env, else wasm].
+    #[arg(long, value_name = "BACKEND", value_parser = ["wasm", "container"])]
+    backend: Option<String>,
+    /// Container image archive to run in (`docker save`, `podman save`, OCI archive).
+    #[arg(long, value_name = "ARCHIVE", conflicts_with = "host_env")]
+    image: Option<PathBuf>,
+    /// Run the container on the provider's own system software, read-only (where the
+    /// provider allows it): for machines that already carry CUDA and PyTorch.
+    #[arg(long)]
+    host_env: bool,
     /// File or directory the task sees under /input (repeatable).
     #[arg(long, value_name = "PATH")]
     input: Vec<PathBuf>,
@@ -219,7 +231,7 @@ struct RunArgs {
     /// No progress bars or status lines, only the task's output.
     #[arg(long, short)]
     quiet: bool,
-    /// Arguments passed to the task.
+    /// Arguments passed to the task; for container jobs, the command and its arguments.
     #[arg(last = true, value_name = "ARGS")]
     args: Vec<String>,
 }

@@ -50,8 +50,8 @@ pub fn gpu_summary(offer: &OfferView) -> String {
     if offer.gpus.is_empty() {
         return "none (CPU only)".to_string();
     }
-    // Per model: count, idle, leased, busy with the owner.
-    let mut groups: BTreeMap<(String, u64), [usize; 4]> = BTreeMap::new();
+    // Per model: count, idle, leased, busy with the owner, off-hours.
+    let mut groups: BTreeMap<(String, u64), [usize; 5]> = BTreeMap::new();
     for g in &offer.gpus {
         let e = groups.entry((g.model.clone(), g.memory_bytes)).or_default();
         e[0] += 1;
@@ -59,17 +59,23 @@ pub fn gpu_summary(offer: &OfferView) -> String {
             GpuState::Idle => e[1] += 1,
             GpuState::Leased => e[2] += 1,
             GpuState::OwnerBusy => e[3] += 1,
+            GpuState::OffHours => e[4] += 1,
         }
     }
     groups
         .into_iter()
-        .map(|((model, mem), [n, idle, leased, busy])| {
-            let state = [(idle, "idle"), (leased, "leased"), (busy, "busy")]
-                .iter()
-                .filter(|(c, _)| *c > 0)
-                .map(|(c, w)| format!("{c} {w}"))
-                .collect::<Vec<_>>()
-                .join(", ");
+        .map(|((model, mem), [n, idle, leased, busy, off])| {
+            let state = [
+                (idle, "idle"),
+                (leased, "leased"),
+                (busy, "busy"),
+                (off, "off-hours"),
+            ]
+            .iter()
+            .filter(|(c, _)| *c > 0)
+            .map(|(c, w)| format!("{c} {w}"))
+            .collect::<Vec<_>>()
+            .join(", ");
             format!("{n}x {model} {} ({state})", format_bytes(mem))
         })
         .collect::<Vec<_>>()
@@ -167,6 +173,9 @@ pub fn print_status(out: &mut impl Write, s: &NodeStatus) -> io::Result<()> {
                     format_bytes(g.memory_total_bytes)
                 ),
                 format!("{}%", g.utilization_percent),
+                g.temperature_c
+                    .map(|t| format!("{t}C"))
+                    .unwrap_or_else(|| "-".to_string()),
                 match g.mig_enabled {
                     Some(true) => "on",
                     Some(false) => "off",
@@ -192,8 +201,39 @@ pub fn print_status(out: &mut impl Write, s: &NodeStatus) -> io::Result<()> {
     table(
         out,
         &[
-            "IDX", "NAME", "UUID", "MEMORY", "UTIL", "MIG", "CC", "STATE", "PIDS",
+            "IDX", "NAME", "UUID", "MEMORY", "UTIL", "TEMP", "MIG", "CC", "STATE", "PIDS",
         ],
+        &rows,
+    )?;
+    if s.running_jobs.is_empty() {
+        return Ok(());
+    }
+    writeln!(out, "Jobs running here for peers:")?;
+    let rows: Vec<Vec<String>> = s
+        .running_jobs
+        .iter()
+        .map(|j| {
+            let (gpu_s, peak, util) = match &j.gpu {
+                Some(g) => (
+                    format!("{:.1}s", g.gpu_ms as f64 / 1000.0),
+                    format_bytes(g.peak_memory_bytes),
+                    format!("{}%", g.utilization_percent),
+                ),
+                None => ("-".into(), "-".into(), "-".into()),
+            };
+            vec![
+                j.lease_id.chars().take(12).collect(),
+                j.gpus.len().to_string(),
+                gpu_s,
+                peak,
+                util,
+                if j.paused { "paused" } else { "running" }.to_string(),
+            ]
+        })
+        .collect();
+    table(
+        out,
+        &["LEASE", "GPUS", "GPU TIME", "PEAK GPU MEM", "UTIL", "STATE"],
         &rows,
     )
 }
@@ -358,6 +398,14 @@ pub fn print_jobs(out: &mut impl Write, jobs: &[gpunode_node::jobs::JobView]) ->
                 format_utc(j.submitted_ms),
                 format_age(Duration::from_millis(took)),
                 result,
+                match j.summary.as_ref().and_then(|s| s.gpu) {
+                    Some(g) => format!(
+                        "{:.1}s {}",
+                        g.gpu_ms as f64 / 1000.0,
+                        format_bytes(g.peak_memory_bytes)
+                    ),
+                    None => "-".into(),
+                },
                 task,
             ]
         })
@@ -371,6 +419,7 @@ pub fn print_jobs(out: &mut impl Write, jobs: &[gpunode_node::jobs::JobView]) ->
             "SUBMITTED",
             "TIME",
             "RESULT",
+            "GPU",
             "TASK",
         ],
         &rows,

@@ -103,6 +103,39 @@ pub struct NodeConfig {
     /// Peers whose reputation here is below this (0 to 1; unknown peers are 0.5) are
     /// refused leases.
     pub min_reputation: f64,
+    /// Whether container jobs may run on this machine's own system software, read-only
+    /// (`gpunode run --host-env`): for teams whose machines already carry CUDA and
+    /// PyTorch. Off by default; image jobs are always allowed on `container`.
+    pub allow_host_env: bool,
+    /// Largest unpacked container image, e.g. `32G`.
+    #[serde(deserialize_with = "de_bytes")]
+    pub max_image_bytes: u64,
+    /// What happens to jobs on a GPU its owner starts using: `yield` (stop them after
+    /// `owner_grace`, charge the time used, the requester retries elsewhere), `share`
+    /// (keep running) or `suspend` (pause until the owner leaves).
+    pub owner_policy: crate::owner::OwnerPolicy,
+    /// How long jobs may go on beside the owner before `yield` stops them.
+    #[serde(deserialize_with = "de_duration")]
+    pub owner_grace: Duration,
+    /// When the GPUs are lent, e.g. `["mon-fri 19:00-08:00", "sat-sun"]`; empty means
+    /// always. Outside them nothing is advertised and no lease runs past their end.
+    pub lend: Vec<String>,
+    /// The time zone of `lend`, as an offset from UTC like `+01:00`.
+    pub lend_utc_offset: String,
+    /// How much of each GPU's memory may be lent: `50%` or `40G` (default: all).
+    pub lend_gpu_memory: Option<String>,
+    /// Alert when a GPU reaches this temperature, °C (0: never).
+    pub alert_temperature_c: u32,
+    /// Alert when a GPU has this share of its memory in use, percent (0: never).
+    pub alert_memory_percent: u32,
+    /// Alert when a leased GPU stays at 0% use this long (0s: never).
+    #[serde(deserialize_with = "de_duration")]
+    pub alert_idle_leased_after: Duration,
+    /// Alert on new uncorrected ECC errors.
+    pub alert_ecc: bool,
+    /// Command run (`sh -c`) for each alert, with `GPUNODE_ALERT_KIND`,
+    /// `GPUNODE_ALERT_GPU` and `GPUNODE_ALERT_MESSAGE` set.
+    pub alert_hook: Option<String>,
     /// Pre-shared key (64 hex digits) for TCP connections (libp2p pnet): nodes without
     /// it cannot even complete a TCP handshake. QUIC cannot use it.
     pub team_psk: Option<String>,
@@ -123,6 +156,18 @@ impl Default for NodeConfig {
             mdns: true,
             simulate_gpus: None,
             backends: vec!["wasm".to_string()],
+            allow_host_env: false,
+            max_image_bytes: 32 << 30,
+            owner_policy: crate::owner::OwnerPolicy::Yield,
+            owner_grace: Duration::from_secs(10),
+            lend: Vec::new(),
+            lend_utc_offset: "+00:00".to_string(),
+            lend_gpu_memory: None,
+            alert_temperature_c: 85,
+            alert_memory_percent: 95,
+            alert_idle_leased_after: Duration::from_secs(600),
+            alert_ecc: true,
+            alert_hook: None,
             price_per_gpu_hour: 1.0,
             cpu_cores: None,
             ram: None,
@@ -147,6 +192,30 @@ impl Default for NodeConfig {
 }
 
 impl NodeConfig {
+    /// The alert thresholds and hook.
+    pub fn alert_rules(&self) -> crate::alerts::AlertRules {
+        crate::alerts::AlertRules {
+            temperature_c: Some(self.alert_temperature_c).filter(|t| *t > 0),
+            memory_percent: Some(self.alert_memory_percent).filter(|p| *p > 0),
+            idle_leased_after: Some(self.alert_idle_leased_after).filter(|d| !d.is_zero()),
+            ecc: self.alert_ecc,
+            hook: self.alert_hook.clone().filter(|h| !h.trim().is_empty()),
+        }
+    }
+
+    /// The owner's lending hours and memory cap, from `lend`, `lend_utc_offset` and
+    /// `lend_gpu_memory`.
+    pub fn owner_rules(&self) -> Result<crate::owner::OwnerRules, String> {
+        Ok(crate::owner::OwnerRules {
+            hours: crate::owner::LendingHours::parse(&self.lend, &self.lend_utc_offset)?,
+            memory_cap: self
+                .lend_gpu_memory
+                .as_deref()
+                .map(crate::owner::MemoryCap::parse)
+                .transpose()?,
+        })
+    }
+
     /// Reads a config file. A missing file at the default location is not an error
     /// (`required = false`); a missing file the user named is.
     pub fn load(path: &Path, required: bool) -> Result<NodeConfig, ConfigError> {
@@ -254,6 +323,13 @@ impl NodeConfig {
         if let Some(spec) = &self.simulate_gpus {
             crate::inventory::SimulatedGpus::parse_spec(spec)
                 .map_err(|e| ConfigError::Invalid(e.to_string()))?;
+        }
+        self.owner_rules().map_err(ConfigError::Invalid)?;
+        if self.alert_memory_percent > 100 {
+            return Err(ConfigError::Invalid(format!(
+                "alert_memory_percent must be 0 (off) to 100, not {}",
+                self.alert_memory_percent
+            )));
         }
         for b in &self.backends {
             if !KNOWN_BACKENDS.contains(&b.as_str()) {
@@ -373,6 +449,15 @@ mod tests {
         assert!(NodeConfig::parse("simulate_gpus = \"2xA100\"")
             .unwrap_err()
             .contains("memory"));
+        for (bad, says) in [
+            ("lend = [\"weekends\"]", "lend entry 'weekends'"),
+            ("lend_utc_offset = \"CET\"", "utc_offset 'CET'"),
+            ("lend_gpu_memory = \"120%\"", "lend_gpu_memory"),
+            ("owner_policy = \"ignore\"", "owner_policy"),
+        ] {
+            let err = NodeConfig::parse(bad).expect_err(bad).to_string();
+            assert!(err.contains(says), "{bad}: {err}");
+        }
         assert!(NodeConfig::parse("backends = [\"docker\"]")
             .unwrap_err()
             .contains("unknown backend"));

@@ -94,6 +94,11 @@ impl DataDir {
         self.root.join("cache").join("blobs")
     }
 
+    /// Unpacked container images, by archive digest.
+    pub fn image_dir(&self) -> PathBuf {
+        self.root.join("cache").join("images")
+    }
+
     /// Working directories of jobs running here.
     pub fn jobs_dir(&self) -> PathBuf {
         self.root.join("jobs")

@@ -9,6 +9,7 @@
 //! uses `gpunode-protocol` for everything on the wire and never imports the CLI.
 
 pub mod adverts;
+pub mod alerts;
 pub mod api;
 pub mod config;
 pub mod data_dir;
@@ -19,6 +20,7 @@ pub mod lease;
 pub mod ledger;
 pub mod metrics;
 pub mod network;
+pub mod owner;
 pub mod store;
 pub mod team;
 pub mod views;
@@ -231,7 +233,9 @@ impl NodeHandle {
             let mut events = move |e: jobs::JobEvent| t.push(&idc, e);
             let result = node.run_job(req, &mut events, cancel).await;
             let end = match result {
-                Ok(summary) => jobs::JobEvent::Finished { summary },
+                Ok(summary) => jobs::JobEvent::Finished {
+                    summary: Box::new(summary),
+                },
                 Err(e) => jobs::JobEvent::Failed {
                     error: e.to_string(),
                 },
@@ -379,7 +383,16 @@ impl Node {
                 &peer_id.to_string(),
             )?),
         };
-        let first_snapshot = read_inventory(&inventory).await;
+        let lease_jobs = jobs::LeaseJobs::default();
+        let reader = Arc::new(InventoryReader {
+            inventory,
+            rules: config
+                .owner_rules()
+                .map_err(|e| NodeError::Config(config::ConfigError::Invalid(e)))?,
+            lease_jobs: lease_jobs.clone(),
+            last_read: std::sync::Mutex::new(None),
+        });
+        let first_snapshot = reader.read().await;
 
         let team = team::service::Team::load(opts.data_dir.root().to_path_buf(), keypair.clone())?;
         let mut swarm = network::build_swarm(
@@ -437,7 +450,6 @@ impl Node {
             accounts: accounts.clone(),
             team: team.clone(),
         };
-        let lease_jobs = jobs::LeaseJobs::default();
         let (stop_tasks, stop_rx) = watch::channel(false);
         let mut tasks = Vec::new();
         if opts.serve_api {
@@ -504,9 +516,21 @@ impl Node {
                         opts.data_dir.blob_dir().display()
                     ))
                 })?;
+            let containers = if config.backends.iter().any(|b| b == "container") {
+                let runtime = jobs::containers::ContainerRuntime::open(
+                    &opts.data_dir.image_dir(),
+                    config.allow_host_env,
+                    config.max_image_bytes,
+                )
+                .map_err(NodeError::Sandbox)?;
+                Some(Arc::new(runtime))
+            } else {
+                None
+            };
             let service = Arc::new(jobs::provider::JobService {
                 node: handle.clone(),
                 executor: executor.clone(),
+                containers,
                 blobs: Arc::new(blobs),
                 jobs_dir: opts.data_dir.jobs_dir(),
                 lease_jobs: lease_jobs.clone(),
@@ -520,8 +544,9 @@ impl Node {
         }
 
         let (snap_tx, snap_rx) = mpsc::channel(4);
+        let lending = reader.rules.hours.clone();
         tasks.push(tokio::spawn(poll_inventory(
-            inventory,
+            reader,
             config.inventory_poll,
             snap_tx,
             stop_rx,
@@ -564,6 +589,9 @@ impl Node {
         lease::persist::write_changes(&store, &mut leases)?;
         store.flush()?;
         let event_loop = EventLoop::new(LoopParts {
+            owner_policy: (config.owner_policy, config.owner_grace),
+            alerts: config.alert_rules(),
+            lending,
             swarm,
             keypair,
             commands: commands_rx,
@@ -629,28 +657,52 @@ fn listen_error_reason(e: &libp2p::TransportError<std::io::Error>) -> String {
     }
 }
 
-async fn read_inventory(inventory: &Arc<dyn GpuInventory>) -> InventorySnapshot {
-    let inv = inventory.clone();
-    match tokio::task::spawn_blocking(move || inv.snapshot()).await {
-        Ok(Ok(s)) => s,
-        Ok(Err(e)) => {
-            tracing::warn!("{e}");
-            InventorySnapshot {
+/// Reads the inventory and applies the owner's rules: which GPU processes are jobs',
+/// lending hours, the memory cap.
+struct InventoryReader {
+    inventory: Arc<dyn GpuInventory>,
+    rules: owner::OwnerRules,
+    lease_jobs: jobs::LeaseJobs,
+    /// When the last snapshot was read: each one meters the time since.
+    last_read: std::sync::Mutex<Option<std::time::Instant>>,
+}
+
+impl InventoryReader {
+    async fn read(&self) -> InventorySnapshot {
+        let inv = self.inventory.clone();
+        let mut snap = match tokio::task::spawn_blocking(move || inv.snapshot()).await {
+            Ok(Ok(s)) => s,
+            Ok(Err(e)) => {
+                tracing::warn!("{e}");
+                InventorySnapshot {
+                    gpus: Vec::new(),
+                    driver_version: None,
+                    source: "none".into(),
+                }
+            }
+            Err(_) => InventorySnapshot {
                 gpus: Vec::new(),
                 driver_version: None,
                 source: "none".into(),
-            }
-        }
-        Err(_) => InventorySnapshot {
-            gpus: Vec::new(),
-            driver_version: None,
-            source: "none".into(),
-        },
+            },
+        };
+        let now = std::time::Instant::now();
+        let since = self
+            .last_read
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .replace(now)
+            .map_or(0, |t| now.duration_since(t).as_millis() as u64);
+        self.lease_jobs.meter(&snap, since);
+        let job_pids = self.lease_jobs.job_pids();
+        self.rules
+            .apply(&mut snap, &job_pids, gpunode_protocol::time::now_ms());
+        snap
     }
 }
 
 async fn poll_inventory(
-    inventory: Arc<dyn GpuInventory>,
+    reader: Arc<InventoryReader>,
     every: Duration,
     out: mpsc::Sender<InventorySnapshot>,
     mut stop: watch::Receiver<bool>,
@@ -661,7 +713,7 @@ async fn poll_inventory(
             _ = tokio::time::sleep(every) => {}
             _ = stop.changed() => return,
         }
-        let snap = read_inventory(&inventory).await;
+        let snap = reader.read().await;
         if last.as_ref() != Some(&snap) {
             last = Some(snap.clone());
             if out.send(snap).await.is_err() {

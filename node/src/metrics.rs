@@ -37,6 +37,10 @@ pub struct Metrics {
     pub jobs_rejected: Family<Vec<(String, String)>, Counter>,
     /// Jobs running here now.
     pub jobs_running: Gauge,
+    /// Leases ended because the GPU's owner came back (policy `yield`).
+    pub leases_preempted: Counter,
+    /// Per-GPU and per-job GPU readings, and alerts.
+    pub gpus: GpuGauges,
     /// Blob bytes received from requesters (modules and inputs not already cached).
     pub job_bytes_received: Counter,
     /// Blob bytes found in the cache instead of being sent again.
@@ -108,6 +112,7 @@ impl Metrics {
         let jobs_run = Family::<Vec<(String, String)>, Counter>::default();
         let jobs_rejected = Family::<Vec<(String, String)>, Counter>::default();
         let jobs_running = Gauge::default();
+        let leases_preempted = Counter::default();
         let job_bytes_received = Counter::default();
         let job_bytes_cached = Counter::default();
         registry.register(
@@ -121,6 +126,11 @@ impl Metrics {
             jobs_rejected.clone(),
         );
         registry.register("jobs_running", "Jobs running now", jobs_running.clone());
+        registry.register(
+            "leases_preempted",
+            "Leases ended because the GPU's owner came back",
+            leases_preempted.clone(),
+        );
         registry.register(
             "job_bytes_received",
             "Module and input bytes received from requesters",
@@ -143,12 +153,15 @@ impl Metrics {
             "Usage receipts refused, by reason",
             receipts_rejected.clone(),
         );
+        let gpus = GpuGauges::register(&mut registry);
         Arc::new(Metrics {
+            gpus,
             receipts_settled,
             receipts_rejected,
             jobs_run,
             jobs_rejected,
             jobs_running,
+            leases_preempted,
             job_bytes_received,
             job_bytes_cached,
             registry,
@@ -233,5 +246,112 @@ impl Metrics {
         // Writing into a String cannot fail.
         let _ = encode(&mut out, &self.registry);
         out
+    }
+}
+
+type Labels = Vec<(String, String)>;
+
+/// Per-GPU readings (from each inventory snapshot), per-job GPU use (running jobs), and
+/// alerts raised.
+#[derive(Debug, Clone, Default)]
+pub struct GpuGauges {
+    utilization: Family<Labels, Gauge>,
+    memory_used: Family<Labels, Gauge>,
+    temperature: Family<Labels, Gauge>,
+    job_utilization: Family<Labels, Gauge>,
+    job_memory_peak: Family<Labels, Gauge>,
+    job_gpu_seconds: Family<Labels, Gauge>,
+    /// Alerts raised, by kind.
+    pub alerts: Family<Labels, Counter>,
+}
+
+impl GpuGauges {
+    fn register(registry: &mut Registry) -> GpuGauges {
+        let g = GpuGauges::default();
+        for (name, help, family) in [
+            (
+                "gpu_utilization_percent",
+                "Compute use of each GPU",
+                &g.utilization,
+            ),
+            (
+                "gpu_memory_used_bytes",
+                "Memory in use on each GPU",
+                &g.memory_used,
+            ),
+            (
+                "gpu_temperature_celsius",
+                "Core temperature of each GPU",
+                &g.temperature,
+            ),
+            (
+                "job_gpu_utilization_percent",
+                "Compute use of each running job's GPUs",
+                &g.job_utilization,
+            ),
+            (
+                "job_gpu_memory_peak_bytes",
+                "Most GPU memory each running job held",
+                &g.job_memory_peak,
+            ),
+            (
+                "job_gpu_seconds",
+                "GPU time each running job has had so far",
+                &g.job_gpu_seconds,
+            ),
+        ] {
+            registry.register(name, help, family.clone());
+        }
+        registry.register("alerts", "GPU alerts raised, by kind", g.alerts.clone());
+        g
+    }
+
+    /// Sets the per-GPU gauges from a snapshot.
+    pub fn observe_gpus(&self, snap: &crate::inventory::InventorySnapshot) {
+        for f in [&self.utilization, &self.memory_used, &self.temperature] {
+            f.clear();
+        }
+        for gpu in &snap.gpus {
+            let labels = vec![
+                ("gpu".to_string(), gpu.uuid.clone()),
+                ("model".to_string(), gpu.name.clone()),
+            ];
+            self.utilization
+                .get_or_create(&labels)
+                .set(gpu.utilization_percent as i64);
+            self.memory_used
+                .get_or_create(&labels)
+                .set(gpu.memory_used_bytes as i64);
+            if let Some(t) = gpu.temperature_c {
+                self.temperature.get_or_create(&labels).set(t as i64);
+            }
+        }
+    }
+
+    /// Sets the per-job gauges from the running jobs (ended jobs disappear).
+    pub fn observe_jobs(&self, jobs: &[crate::jobs::RunningJobView]) {
+        for f in [
+            &self.job_utilization,
+            &self.job_memory_peak,
+            &self.job_gpu_seconds,
+        ] {
+            f.clear();
+        }
+        for job in jobs {
+            let Some(gpu) = job.gpu else { continue };
+            let labels = vec![
+                ("lease".to_string(), job.lease_id.clone()),
+                ("job".to_string(), job.job.clone()),
+            ];
+            self.job_utilization
+                .get_or_create(&labels)
+                .set(gpu.utilization_percent as i64);
+            self.job_memory_peak
+                .get_or_create(&labels)
+                .set(gpu.peak_memory_bytes as i64);
+            self.job_gpu_seconds
+                .get_or_create(&labels)
+                .set((gpu.gpu_ms / 1000) as i64);
+        }
     }
 }

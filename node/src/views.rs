@@ -111,6 +111,9 @@ pub struct NodeStatus {
     /// The team it belongs to, if any.
     #[serde(default)]
     pub team: Option<String>,
+    /// Jobs running here for peers, with their GPU use.
+    #[serde(default)]
+    pub running_jobs: Vec<crate::jobs::RunningJobView>,
 }
 
 /// A lease as people and scripts see it.

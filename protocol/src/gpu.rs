@@ -13,6 +13,8 @@ pub enum GpuState {
     Leased,
     /// A process that is not a gpunode job runs on it: the owner is back.
     OwnerBusy,
+    /// Outside the owner's lending hours: not lent now.
+    OffHours,
 }
 
 impl GpuState {
@@ -22,6 +24,7 @@ impl GpuState {
             GpuState::Idle => "idle",
             GpuState::Leased => "leased",
             GpuState::OwnerBusy => "busy",
+            GpuState::OffHours => "off-hours",
         }
     }
 }
@@ -33,6 +36,9 @@ pub struct GpuProcess {
     pub pid: u32,
     /// GPU memory it uses, in bytes, when the driver reports it.
     pub used_memory_bytes: Option<u64>,
+    /// Its share of the GPU's compute engine (SM), percent, when the driver reports it.
+    #[serde(default)]
+    pub sm_util_percent: Option<u32>,
 }
 
 /// One GPU as the local inventory sees it (the `nvidia-smi` view).
@@ -54,6 +60,12 @@ pub struct GpuInfo {
     pub mig_enabled: Option<bool>,
     /// CUDA compute capability (major, minor).
     pub compute_capability: Option<(u32, u32)>,
+    /// Core temperature, °C, when the driver reports it.
+    #[serde(default)]
+    pub temperature_c: Option<u32>,
+    /// Uncorrected ECC errors since the driver loaded, when ECC is on.
+    #[serde(default)]
+    pub ecc_uncorrected: Option<u64>,
     /// Processes running on it.
     pub processes: Vec<GpuProcess>,
     /// Whether it can be lent.

@@ -66,6 +66,44 @@ pub struct JobFile {
     pub blob: BlobRef,
 }
 
+/// What runs: a WASI module, or a native command in a container.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Program {
+    /// A WASI preview 1 module (`.wasm` binary or `.wat` text); needs a `wasm` lease.
+    Wasm {
+        /// The module.
+        module: BlobRef,
+        /// Fuel budget for deterministic metering, if wanted.
+        fuel: Option<u64>,
+    },
+    /// A command under bubblewrap; needs a `container` lease.
+    Container {
+        /// An image archive (`docker save`, OCI archive), or `None` for the provider's
+        /// own system software read-only (`--host-env`, where the provider allows it).
+        image: Option<BlobRef>,
+        /// Program and arguments; empty runs the image's entrypoint and cmd.
+        command: Vec<String>,
+    },
+}
+
+impl Program {
+    /// The blob the program itself needs (the module or the image), if any.
+    pub fn blob(&self) -> Option<BlobRef> {
+        match self {
+            Program::Wasm { module, .. } => Some(*module),
+            Program::Container { image, .. } => *image,
+        }
+    }
+
+    /// The lease backend it runs on.
+    pub fn backend(&self) -> &'static str {
+        match self {
+            Program::Wasm { .. } => "wasm",
+            Program::Container { .. } => "container",
+        }
+    }
+}
+
 /// What the requester asks the provider to run.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct JobSubmit {
@@ -73,8 +111,8 @@ pub struct JobSubmit {
     pub version: u16,
     /// The active lease the job runs under.
     pub lease_id: LeaseId,
-    /// The task module (`.wasm` binary or `.wat` text).
-    pub module: BlobRef,
+    /// The module or container to run.
+    pub program: Program,
     /// Files shown read-only under `/input`.
     pub inputs: Vec<JobFile>,
     /// Arguments after the program name.
@@ -83,16 +121,22 @@ pub struct JobSubmit {
     pub env: Vec<(String, String)>,
     /// Wall-clock limit; the lease's end applies too.
     pub timeout_ms: u64,
-    /// Fuel budget for deterministic metering, if wanted.
-    pub fuel: Option<u64>,
 }
 
 impl JobSubmit {
-    /// Bytes the provider must hold for this job: the module plus every input.
+    /// Bytes the provider must hold for this job: the module or image plus every input.
     pub fn input_bytes(&self) -> u64 {
+        let program = self.program.blob().map_or(0, |b| b.size);
         self.inputs
             .iter()
-            .fold(self.module.size, |n, f| n.saturating_add(f.blob.size))
+            .fold(program, |n, f| n.saturating_add(f.blob.size))
+    }
+
+    /// Every blob the job needs: the program's, then the inputs'.
+    pub fn blobs(&self) -> Vec<BlobRef> {
+        let mut all: Vec<BlobRef> = self.program.blob().into_iter().collect();
+        all.extend(self.inputs.iter().map(|f| f.blob));
+        all
     }
 }
 
@@ -118,7 +162,7 @@ pub enum JobRefusal {
     WrongBackend,
     /// Module and inputs are larger than the provider accepts.
     TooLarge,
-    /// The module is not a runnable WASI command.
+    /// The module is not a runnable WASI command, or the image is not a usable image.
     InvalidModule,
     /// Malformed request (paths, version, counts).
     BadRequest,
@@ -171,6 +215,9 @@ pub enum JobOutcome {
     OutputTooLarge(String),
     /// Cancelled by the requester or because the lease ended.
     Cancelled,
+    /// Stopped because the GPU's owner came back; only the time used is charged and
+    /// the requester may retry elsewhere.
+    Preempted,
 }
 
 impl JobOutcome {
@@ -184,8 +231,24 @@ impl JobOutcome {
             JobOutcome::OutOfMemory => "out_of_memory",
             JobOutcome::OutputTooLarge(_) => "output_too_large",
             JobOutcome::Cancelled => "cancelled",
+            JobOutcome::Preempted => "preempted",
         }
     }
+}
+
+/// A job's use of its leased GPUs, measured by the provider from the driver's process
+/// lists at each inventory poll.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuUse {
+    /// Milliseconds, summed over the leased GPUs, during which a process of the job was
+    /// on the GPU.
+    pub gpu_ms: u64,
+    /// Most GPU memory the job's processes held at once, bytes.
+    pub peak_memory_bytes: u64,
+    /// Compute use of its GPUs at the last sample, percent (mean over the leased GPUs).
+    pub utilization_percent: u32,
+    /// How many samples were taken.
+    pub samples: u32,
 }
 
 /// The end of a run.
@@ -199,6 +262,8 @@ pub struct JobReport {
     pub module_cached: bool,
     /// Files left in `/output`, sent after this message in this order.
     pub outputs: Vec<JobFile>,
+    /// GPU use, for jobs that held GPUs.
+    pub gpu: Option<GpuUse>,
 }
 
 /// Provider to requester.
@@ -275,9 +340,12 @@ mod tests {
         let msg = RequesterMsg::Submit(JobSubmit {
             version: JOB_VERSION,
             lease_id: LeaseId([7; 16]),
-            module: BlobRef {
-                hash: [1; 32],
-                size: 10,
+            program: Program::Container {
+                image: Some(BlobRef {
+                    hash: [1; 32],
+                    size: 10,
+                }),
+                command: vec!["python".into(), "train.py".into()],
             },
             inputs: vec![JobFile {
                 path: "a/b".into(),
@@ -289,7 +357,6 @@ mod tests {
             args: vec!["x".into()],
             env: vec![("K".into(), "V".into())],
             timeout_ms: 1000,
-            fuel: None,
         });
         let bytes = encode(&msg);
         assert_eq!(decode::<RequesterMsg>(&bytes, MAX_MESSAGE_BYTES), Ok(msg));

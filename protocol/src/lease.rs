@@ -300,6 +300,8 @@ pub enum RejectCode {
     LowReputation,
     /// The team policy forbids it (quota, time window); the message names the rule.
     TeamPolicy,
+    /// Outside the provider's lending hours, or past their end; the message says when.
+    LendingHours,
 }
 
 impl RejectCode {
@@ -326,6 +328,7 @@ impl RejectCode {
             RejectCode::DebtLimit => "debt_limit",
             RejectCode::LowReputation => "low_reputation",
             RejectCode::TeamPolicy => "team_policy",
+            RejectCode::LendingHours => "lending_hours",
         }
     }
 }

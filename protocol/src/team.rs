@@ -746,16 +746,23 @@ impl TeamPolicy {
     }
 }
 
+/// Whether a weekly window that starts on `days` at `start_min` and ends at `end_min`
+/// (exclusive; an end before the start runs past midnight) covers `minute` of `weekday`
+/// (0 = Monday).
+pub fn window_covers(days: &[u8], start_min: u16, end_min: u16, weekday: u8, minute: u16) -> bool {
+    if start_min < end_min {
+        days.contains(&weekday) && minute >= start_min && minute < end_min
+    } else {
+        let yesterday = (weekday + 6) % 7;
+        (days.contains(&weekday) && minute >= start_min)
+            || (days.contains(&yesterday) && minute < end_min)
+    }
+}
+
 impl Window {
     /// Whether the window covers `minute` of `weekday`.
     pub fn contains(&self, weekday: u8, minute: u16) -> bool {
-        if self.start_min < self.end_min {
-            self.days.contains(&weekday) && minute >= self.start_min && minute < self.end_min
-        } else {
-            let yesterday = (weekday + 6) % 7;
-            (self.days.contains(&weekday) && minute >= self.start_min)
-                || (self.days.contains(&yesterday) && minute < self.end_min)
-        }
+        window_covers(&self.days, self.start_min, self.end_min, weekday, minute)
     }
 
     /// Like "mon-fri 18:00-09:00".

@@ -7,9 +7,14 @@
 //! file-count caps, no network, and a filesystem of exactly `/input` (read-only) and
 //! `/output` (writable). Each run ends in one distinct [`wasm::Outcome`].
 //!
-//! This crate does no networking and never imports the node; the container backend
-//! (bubblewrap, GPU devices) will live beside the wasm one.
+//! [`container::ContainerExecutor`] runs native commands (CUDA, PyTorch) under bubblewrap:
+//! own namespaces, no network, a read-only root (an unpacked OCI image, see
+//! [`container::image`], or the host's system directories), cgroup or rlimit limits, only
+//! the leased GPUs' device nodes, and the whole process tree killed at the end.
+//!
+//! This crate does no networking and never imports the node.
 
+pub mod container;
 pub mod wasm;
 
 pub use wasm::{

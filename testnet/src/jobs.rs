@@ -19,6 +19,7 @@ pub fn task(name: &str) -> PathBuf {
 pub fn request(module: PathBuf, output_dir: &Path) -> JobRequest {
     JobRequest {
         module,
+        container: None,
         inputs: Vec::new(),
         output_dir: output_dir.to_path_buf(),
         output_per_job: false,
@@ -53,11 +54,14 @@ pub async fn events_until(
             .job_events(job_id, *from, Duration::from_millis(200))
             .await
             .map_err(anyhow::Error::msg)?;
+        // Events after a hit stay for the next call.
+        let first = page.next - page.events.len();
         *from = page.next;
-        for e in page.events {
+        for (i, e) in page.events.into_iter().enumerate() {
             let hit = stop(&e);
             seen.push(e);
             if hit {
+                *from = first + i + 1;
                 return Ok(seen);
             }
         }
@@ -97,7 +101,7 @@ pub async fn until_end(
 /// The end of a job: its summary, or the error it failed with.
 pub fn outcome(events: &[JobEvent]) -> Option<Result<JobSummary, String>> {
     events.iter().rev().find_map(|e| match e {
-        JobEvent::Finished { summary } => Some(Ok(summary.clone())),
+        JobEvent::Finished { summary } => Some(Ok((**summary).clone())),
         JobEvent::Failed { error } => Some(Err(error.clone())),
         _ => None,
     })

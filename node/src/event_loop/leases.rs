@@ -82,7 +82,12 @@ impl EventLoop {
             InboundLease::Invalid(r) => LeaseReply::Rejected(r),
             InboundLease::Message(LeaseMessage::Request(req)) => {
                 let id = LeaseId(rand::random());
-                let policy = match &self.team {
+                let hours = self
+                    .owner
+                    .lending
+                    .check(req.duration_ms, now)
+                    .map_err(|m| Rejection::new(RejectCode::LendingHours, m));
+                let policy = hours.and_then(|()| match &self.team {
                     Some(team) => team
                         .check_lease(
                             &peer,
@@ -93,7 +98,7 @@ impl EventLoop {
                         )
                         .map_err(|m| Rejection::new(RejectCode::TeamPolicy, m)),
                     None => Ok(()),
-                };
+                });
                 let admitted = policy.and_then(|()| {
                     self.accounts.admit(
                         &peer,
@@ -136,10 +141,15 @@ impl EventLoop {
                 }
             }
             InboundLease::Message(LeaseMessage::Renew { renewal, signature }) => {
-                match self
-                    .leases
-                    .on_renew(&peer, &renewal, &signature, &self.keypair, now)
-                {
+                let hours = self
+                    .owner
+                    .lending
+                    .check(renewal.new_end_ms.saturating_sub(now), now)
+                    .map_err(|m| Rejection::new(RejectCode::LendingHours, m));
+                match hours.and_then(|()| {
+                    self.leases
+                        .on_renew(&peer, &renewal, &signature, &self.keypair, now)
+                }) {
                     Ok(provider_sig) => LeaseReply::Renewed {
                         lease_id: renewal.lease_id,
                         new_end_ms: renewal.new_end_ms,
@@ -344,7 +354,7 @@ pub(crate) fn capacity_from(snapshot: &InventorySnapshot, cpus: u32, mem_bytes: 
                 uuid: g.uuid.clone(),
                 model: g.name.clone(),
                 memory_bytes: g.memory_total_bytes,
-                available: g.state != GpuState::OwnerBusy,
+                available: g.state == GpuState::Idle,
             })
             .collect(),
         cpus,

@@ -34,6 +34,7 @@ use tokio::time::Instant;
 
 mod finds;
 mod leases;
+mod owner;
 
 use finds::PendingFind;
 
@@ -158,6 +159,10 @@ pub(crate) struct EventLoop {
     kad_protocol: libp2p::StreamProtocol,
     /// The node's team, whose policy applies to lease requests.
     team: Option<Arc<crate::team::service::Team>>,
+    /// The owner's rules for leases on GPUs it comes back to, and lending hours.
+    owner: owner::OwnerState,
+    /// GPU alert thresholds and what they have seen.
+    alerts: crate::alerts::AlertWatch,
 }
 
 /// How the loop is set up.
@@ -183,6 +188,12 @@ pub(crate) struct LoopParts {
     pub kad_protocol: libp2p::StreamProtocol,
     /// The node's team.
     pub team: Option<Arc<crate::team::service::Team>>,
+    /// What happens to jobs when a GPU's owner comes back, and after how long.
+    pub owner_policy: (crate::owner::OwnerPolicy, Duration),
+    /// When GPUs are lent.
+    pub lending: crate::owner::LendingHours,
+    /// GPU alert thresholds and hook.
+    pub alerts: crate::alerts::AlertRules,
 }
 
 impl EventLoop {
@@ -228,6 +239,12 @@ impl EventLoop {
             rtts: HashMap::new(),
             kad_protocol: parts.kad_protocol,
             team: parts.team,
+            owner: owner::OwnerState::new(
+                parts.owner_policy.0,
+                parts.owner_policy.1,
+                parts.lending,
+            ),
+            alerts: crate::alerts::AlertWatch::new(parts.alerts),
         }
     }
 
@@ -384,6 +401,7 @@ impl EventLoop {
                 .map(|a| format!("{a}/p2p/{}", self.local_peer))
                 .collect(),
             team: None,
+            running_jobs: self.lease_jobs.views(),
         }
     }
 
@@ -414,6 +432,23 @@ impl EventLoop {
             if state_changed {
                 self.schedule_publish(Duration::ZERO, true);
             }
+            self.enforce_owner_policy();
+            self.watch_gpus();
+        }
+    }
+
+    /// GPU gauges, running jobs' gauges and alerts, from the latest inventory.
+    fn watch_gpus(&mut self) {
+        self.metrics.gpus.observe_gpus(&self.inventory);
+        self.metrics.gpus.observe_jobs(&self.lease_jobs.views());
+        let leased = self.leases.committed_gpus();
+        for alert in self.alerts.check(&self.inventory, &leased, now_ms()) {
+            self.metrics
+                .gpus
+                .alerts
+                .get_or_create(&vec![("kind".to_string(), alert.kind.to_string())])
+                .inc();
+            crate::alerts::raise(&alert, self.alerts.hook());
         }
     }
 
@@ -426,6 +461,8 @@ impl EventLoop {
     }
 
     fn on_timer(&mut self) {
+        self.enforce_owner_policy();
+        self.watch_gpus();
         let now = Instant::now();
         if let Some(own) = &mut self.own {
             if own.refresh_at <= now {

@@ -1,6 +1,7 @@
 //! Real GPUs through NVML (nvml-wrapper loads the driver library at run time).
 
 use gpunode_protocol::gpu::{GpuInfo, GpuProcess, GpuState};
+use nvml_wrapper::enum_wrappers::device::{EccCounter, MemoryError, TemperatureSensor};
 use nvml_wrapper::enums::device::UsedGpuMemory;
 use nvml_wrapper::Nvml;
 
@@ -37,6 +38,15 @@ impl GpuInventory for NvmlInventory {
         for index in 0..count {
             let dev = self.nvml.device_by_index(index).map_err(err)?;
             let memory = dev.memory_info().map_err(err)?;
+            // Per-process compute use over the driver's recent samples (the newest
+            // sample of each process).
+            let mut sm_util = std::collections::HashMap::new();
+            for sample in dev.process_utilization_stats(None).unwrap_or_default() {
+                let newest = sm_util.entry(sample.pid).or_insert((0u64, 0u32));
+                if sample.timestamp >= newest.0 {
+                    *newest = (sample.timestamp, sample.sm_util);
+                }
+            }
             let mut processes: Vec<GpuProcess> = dev
                 .running_compute_processes()
                 .unwrap_or_default()
@@ -48,6 +58,7 @@ impl GpuInventory for NvmlInventory {
                         UsedGpuMemory::Used(b) => Some(b),
                         UsedGpuMemory::Unavailable => None,
                     },
+                    sm_util_percent: sm_util.get(&p.pid).map(|(_, u)| *u),
                 })
                 .collect();
             processes.sort_by_key(|p| p.pid);
@@ -69,6 +80,10 @@ impl GpuInventory for NvmlInventory {
                     .cuda_compute_capability()
                     .ok()
                     .map(|c| (c.major.max(0) as u32, c.minor.max(0) as u32)),
+                temperature_c: dev.temperature(TemperatureSensor::Gpu).ok(),
+                ecc_uncorrected: dev
+                    .total_ecc_errors(MemoryError::Uncorrected, EccCounter::Volatile)
+                    .ok(),
                 processes,
                 state,
                 simulated: false,

@@ -79,6 +79,8 @@ impl SimulatedGpus {
                         utilization_percent: 0,
                         mig_enabled: Some(false),
                         compute_capability: None,
+                        temperature_c: Some(35),
+                        ecc_uncorrected: Some(0),
                         processes: Vec::new(),
                         state: GpuState::Idle,
                         simulated: true,
@@ -106,6 +108,7 @@ impl SimulatedGpus {
                         vec![GpuProcess {
                             pid,
                             used_memory_bytes: Some(memory_bytes),
+                            sm_util_percent: Some(100),
                         }]
                     })
                     .unwrap_or_default();
@@ -116,6 +119,51 @@ impl SimulatedGpus {
                 } else {
                     GpuState::Idle
                 };
+            }
+        });
+    }
+}
+
+impl SimulatedGpus {
+    /// Scripts the readings of GPU `index`: temperature (°C), uncorrected ECC errors
+    /// and utilization (percent).
+    pub fn set_readings(&self, index: u32, temperature_c: u32, ecc_uncorrected: u64, util: u32) {
+        self.with(|gpus| {
+            if let Some(g) = gpus.get_mut(index as usize) {
+                g.info.temperature_c = Some(temperature_c);
+                g.info.ecc_uncorrected = Some(ecc_uncorrected);
+                g.info.utilization_percent = util;
+            }
+        });
+    }
+
+    /// Scripts a process of a gpunode job (`pid`) on GPU `index` using `memory_bytes`
+    /// and `util` percent of it, as NVML would list it; `None` removes the job's
+    /// processes. The owner's processes stay.
+    pub fn set_job_process(&self, index: u32, pid: u32, use_: Option<(u64, u32)>) {
+        self.with(|gpus| {
+            if let Some(g) = gpus.get_mut(index as usize) {
+                g.info.processes.retain(|p| p.pid != pid);
+                if let Some((memory_bytes, util)) = use_ {
+                    g.info.processes.push(GpuProcess {
+                        pid,
+                        used_memory_bytes: Some(memory_bytes),
+                        sm_util_percent: Some(util),
+                    });
+                }
+                g.info.memory_used_bytes = g
+                    .info
+                    .processes
+                    .iter()
+                    .filter_map(|p| p.used_memory_bytes)
+                    .sum();
+                g.info.utilization_percent = g
+                    .info
+                    .processes
+                    .iter()
+                    .filter_map(|p| p.sm_util_percent)
+                    .sum::<u32>()
+                    .min(100);
             }
         });
     }

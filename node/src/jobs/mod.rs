@@ -14,6 +14,8 @@
 //! job by lease, and the event loop fires them when a lease ends or is cancelled.
 
 pub mod blobs;
+pub mod containers;
+pub mod gpu_use;
 pub mod provider;
 mod replicas;
 pub mod requester;
@@ -21,35 +23,110 @@ pub mod slots;
 pub mod table;
 pub(crate) mod wire;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
+use gpunode_protocol::job::GpuUse;
 use gpunode_protocol::lease::LeaseId;
+use gpunode_sandbox::container::PauseToken;
+
+use crate::inventory::InventorySnapshot;
 use gpunode_sandbox::wasm::CancelToken;
 use libp2p::StreamProtocol;
 
-pub use requester::{JobEvent, JobRequest, JobSummary, ReplicaView};
+pub use requester::{ContainerRequest, JobEvent, JobRequest, JobSummary, ReplicaView};
 pub use table::{JobState, JobView};
 
 /// The job stream protocol.
 pub const JOB_PROTOCOL: StreamProtocol = StreamProtocol::new("/gpunode/job/1.0.0");
 
-/// Running jobs by lease: a key for each job and its cancel token.
-type JobsByLease = HashMap<LeaseId, Vec<(u64, CancelToken)>>;
+/// A job running here for a peer, as `status` shows it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct RunningJobView {
+    /// The lease it runs under.
+    pub lease_id: String,
+    /// Its key on this node.
+    pub job: String,
+    /// Its GPUs (uuids).
+    pub gpus: Vec<String>,
+    /// Paused by the owner's `suspend` policy.
+    pub paused: bool,
+    /// GPU use so far.
+    pub gpu: Option<GpuUse>,
+}
 
-/// Cancel tokens of the jobs running under each lease.
+/// What the node holds of one running job: how to stop it, pause it, whether it was
+/// preempted by the GPU's owner, and its host process (container jobs).
 #[derive(Debug, Clone, Default)]
-pub struct LeaseJobs(Arc<Mutex<JobsByLease>>);
+pub struct JobControl {
+    /// Stops the job.
+    pub cancel: CancelToken,
+    /// Pauses the job (container jobs; the owner's `suspend` policy).
+    pub pause: PauseToken,
+    preempted: Arc<AtomicBool>,
+    root_pid: Arc<AtomicU32>,
+    /// The leased GPUs (uuids) the job may use.
+    gpus: Arc<Vec<String>>,
+    gpu_use: Arc<Mutex<GpuUse>>,
+}
+
+impl JobControl {
+    /// Controls for a job on these GPUs (uuids).
+    pub fn new(gpus: Vec<String>) -> JobControl {
+        JobControl {
+            gpus: Arc::new(gpus),
+            ..JobControl::default()
+        }
+    }
+
+    /// The job's GPU use so far; `None` for a job without GPUs.
+    pub fn gpu_use(&self) -> Option<GpuUse> {
+        (!self.gpus.is_empty()).then(|| *self.gpu_use.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// Whether the job was stopped because the GPU's owner came back.
+    pub fn was_preempted(&self) -> bool {
+        self.preempted.load(Ordering::SeqCst)
+    }
+
+    /// Records the job's outer host process (its processes are its descendants).
+    pub fn set_root_pid(&self, pid: u32) {
+        self.root_pid.store(pid, Ordering::SeqCst);
+    }
+
+    /// Whether the job ran as host processes that GPU metering can see (container jobs).
+    pub fn root_pid_known(&self) -> bool {
+        self.root_pid().is_some()
+    }
+
+    fn root_pid(&self) -> Option<u32> {
+        Some(self.root_pid.load(Ordering::SeqCst)).filter(|p| *p != 0)
+    }
+}
+
+/// Running jobs by lease: a key for each job and its controls.
+type JobsByLease = HashMap<LeaseId, Vec<(u64, JobControl)>>;
+
+/// The controls of the jobs running under each lease, and the leases paused now.
+#[derive(Debug, Clone, Default)]
+pub struct LeaseJobs(Arc<Mutex<JobsByLease>>, Arc<Mutex<HashSet<LeaseId>>>);
 
 impl LeaseJobs {
     fn lock(&self) -> std::sync::MutexGuard<'_, JobsByLease> {
         self.0.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Registers a running job; returns the key to remove it with.
-    pub fn add(&self, lease: LeaseId, token: CancelToken) -> u64 {
+    fn paused(&self) -> std::sync::MutexGuard<'_, HashSet<LeaseId>> {
+        self.1.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Registers a running job (paused at once if its lease is); returns the key to
+    /// remove it with.
+    pub fn add(&self, lease: LeaseId, control: JobControl) -> u64 {
         let key = rand::random();
-        self.lock().entry(lease).or_default().push((key, token));
+        control.pause.set(self.paused().contains(&lease));
+        self.lock().entry(lease).or_default().push((key, control));
         key
     }
 
@@ -66,23 +143,117 @@ impl LeaseJobs {
 
     /// The lease ended: stop every job under it. Returns how many were stopped.
     pub fn end_lease(&self, lease: &LeaseId) -> usize {
+        self.paused().remove(lease);
         let jobs = self.lock().remove(lease).unwrap_or_default();
-        for (_, token) in &jobs {
-            token.cancel();
+        for (_, control) in &jobs {
+            control.cancel.cancel();
         }
         jobs.len()
+    }
+
+    /// The GPU's owner came back (policy `yield`): mark the lease's jobs preempted and
+    /// stop them. Returns how many.
+    pub fn preempt(&self, lease: &LeaseId) -> usize {
+        let jobs = self.lock().remove(lease).unwrap_or_default();
+        for (_, control) in &jobs {
+            control.preempted.store(true, Ordering::SeqCst);
+            control.cancel.cancel();
+        }
+        jobs.len()
+    }
+
+    /// Pauses (policy `suspend`) or resumes the lease's jobs.
+    pub fn pause(&self, lease: &LeaseId, paused: bool) {
+        if paused {
+            self.paused().insert(*lease);
+        } else {
+            self.paused().remove(lease);
+        }
+        for (_, control) in self.lock().get(lease).map(Vec::as_slice).unwrap_or(&[]) {
+            control.pause.set(paused);
+        }
     }
 
     /// Stops every job (the node is stopping).
     pub fn end_all(&self) {
         let all: Vec<_> = self.lock().drain().flat_map(|(_, v)| v).collect();
-        for (_, token) in all {
-            token.cancel();
+        for (_, control) in all {
+            control.cancel.cancel();
         }
     }
 
     /// Jobs running now.
     pub fn running(&self) -> usize {
         self.lock().values().map(Vec::len).sum()
+    }
+
+    /// Host processes of the running container jobs: what is not the GPU owner's.
+    pub fn job_pids(&self) -> HashSet<u32> {
+        let roots: Vec<u32> = self
+            .lock()
+            .values()
+            .flatten()
+            .filter_map(|(_, c)| c.root_pid())
+            .collect();
+        let mut pids = HashSet::new();
+        for root in roots {
+            pids.insert(root);
+            pids.extend(gpunode_sandbox::container::procs::descendants(root));
+        }
+        pids
+    }
+
+    /// Adds one sample of `snap`, covering `dt_ms`, to the GPU use of every running job
+    /// that holds GPUs.
+    pub fn meter(&self, snap: &InventorySnapshot, dt_ms: u64) {
+        let jobs: Vec<JobControl> = self
+            .lock()
+            .values()
+            .flatten()
+            .map(|(_, c)| c.clone())
+            .filter(|c| !c.gpus.is_empty())
+            .collect();
+        for job in jobs {
+            let mut pids: HashSet<u32> = HashSet::new();
+            if let Some(root) = job.root_pid() {
+                pids.insert(root);
+                pids.extend(gpunode_sandbox::container::procs::descendants(root));
+            }
+            let mut usage = job.gpu_use.lock().unwrap_or_else(|p| p.into_inner());
+            gpu_use::sample(&mut usage, snap, &job.gpus, &pids, dt_ms);
+        }
+    }
+
+    /// The running jobs, for `status` and `/metrics`.
+    pub fn views(&self) -> Vec<RunningJobView> {
+        let mut views: Vec<RunningJobView> = self
+            .lock()
+            .iter()
+            .flat_map(|(lease, jobs)| {
+                jobs.iter().map(|(key, c)| RunningJobView {
+                    lease_id: lease.to_string(),
+                    job: format!("{key:016x}"),
+                    gpus: c.gpus.to_vec(),
+                    paused: c.pause.is_paused(),
+                    gpu: c.gpu_use(),
+                })
+            })
+            .collect();
+        views.sort_by(|a, b| a.lease_id.cmp(&b.lease_id).then(a.job.cmp(&b.job)));
+        views
+    }
+
+    /// The host processes of one lease's jobs.
+    pub fn pids_of(&self, lease: &LeaseId) -> Vec<u32> {
+        let roots: Vec<u32> = self
+            .lock()
+            .get(lease)
+            .map(|v| v.iter().filter_map(|(_, c)| c.root_pid()).collect())
+            .unwrap_or_default();
+        let mut pids = roots.clone();
+        for root in roots {
+            pids.extend(gpunode_sandbox::container::procs::descendants(root));
+        }
+        pids
     }
 }

@@ -1,5 +1,6 @@
 //! The provider's side of the job protocol: admit a job under an active lease, take the
-//! blobs that are not cached, run the task in the wasm sandbox off the async workers,
+//! blobs that are not cached, run the task in the wasm sandbox or, on `container`
+//! leases, under bubblewrap with only the leased GPUs visible, off the async workers,
 //! stream stdout and stderr back as they are written, then send the output files.
 //!
 //! Every refusal happens before any data is transferred and says what was wrong. A job
@@ -7,23 +8,27 @@
 //! lease ends ([`super::LeaseJobs`]); its working directory is removed in every case.
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::{AsyncReadExt, AsyncWriteExt, StreamExt};
 use gpunode_protocol::job::{
     check_relative_path, BlobRef, JobFile, JobOutcome, JobRefusal, JobRejection, JobReport,
-    JobSubmit, ProviderMsg, RequesterMsg, JOB_VERSION, MAX_INPUT_FILES, MAX_LOG_PIECE,
+    JobSubmit, Program, ProviderMsg, RequesterMsg, JOB_VERSION, MAX_INPUT_FILES, MAX_LOG_PIECE,
 };
 use gpunode_protocol::receipt::job_output_digest;
 use gpunode_protocol::time::now_ms;
-use gpunode_sandbox::wasm::{CancelToken, Limits, Outcome, RunSpec, WasmExecutor};
+use gpunode_sandbox::container::{ContainerLimits, ContainerSpec, GpuDevice, Root};
+use gpunode_sandbox::wasm::{CompiledTask, Limits, Outcome, RunSpec, WasmExecutor};
+use gpunode_sandbox::SandboxError;
 use libp2p::{PeerId, Stream};
 use tokio::sync::{mpsc, watch};
 
 use super::blobs::BlobCache;
+use super::containers::ContainerRuntime;
 use super::wire::{self, Frame};
-use super::LeaseJobs;
+use super::{JobControl, LeaseJobs};
 use crate::lease::{LeaseRole, LeaseState};
 use crate::NodeHandle;
 
@@ -31,6 +36,8 @@ use crate::NodeHandle;
 const DEFAULT_JOB_MEMORY: u64 = 256 << 20;
 /// Largest wasm32 linear memory.
 const WASM32_MAX_MEMORY: u64 = 4 << 30;
+/// Memory of a container job whose lease reserved no RAM.
+const DEFAULT_CONTAINER_MEMORY: u64 = 2 << 30;
 
 /// What the provider needs to run jobs.
 pub struct JobService {
@@ -38,6 +45,8 @@ pub struct JobService {
     pub node: NodeHandle,
     /// The node's sandbox.
     pub executor: Arc<WasmExecutor>,
+    /// The container backend, when this provider offers it.
+    pub containers: Option<Arc<ContainerRuntime>>,
     /// Modules and inputs by hash.
     pub blobs: Arc<BlobCache>,
     /// Where job working directories go.
@@ -65,8 +74,16 @@ struct Admitted {
     wall_time: Duration,
     memory_bytes: u64,
     cpus: u32,
+    /// The leased GPUs (what a container job sees).
+    gpus: Vec<GpuDevice>,
     /// Time left on the lease: the whole exchange must end by then (plus a grace).
     lease_left: Duration,
+}
+
+/// A program ready to run.
+enum Ready {
+    Wasm(CompiledTask),
+    Container(Root),
 }
 
 /// How long after its lease's end a job's exchange may still finish sending outputs.
@@ -121,8 +138,7 @@ impl JobService {
                 return;
             }
         };
-        let mut wanted = vec![submit.module];
-        wanted.extend(submit.inputs.iter().map(|f| f.blob));
+        let wanted = submit.blobs();
         let missing = self.blobs.pin_and_find_missing(&wanted);
         let sent: u64 = missing.iter().map(|b| b.size).sum();
         let metrics = self.node.metrics();
@@ -205,14 +221,29 @@ impl JobService {
                 ),
             ));
         }
-        if record.terms.backend != "wasm" {
+        let backend = s.program.backend();
+        if record.terms.backend != backend {
             return Err(reject(
                 JobRefusal::WrongBackend,
                 format!(
-                    "lease {} is for the {} backend; wasm tasks need a wasm lease",
+                    "lease {} is for the {} backend; {backend} tasks need a {backend} lease",
                     s.lease_id, record.terms.backend
                 ),
             ));
+        }
+        if let Program::Container { image, .. } = &s.program {
+            let Some(runtime) = &self.containers else {
+                return Err(reject(
+                    JobRefusal::WrongBackend,
+                    "this provider does not run containers; lease one that offers the container backend",
+                ));
+            };
+            if image.is_none() && !runtime.allow_host_env {
+                return Err(reject(
+                    JobRefusal::BadRequest,
+                    "this provider does not allow --host-env; send an image with --image",
+                ));
+            }
         }
         let limit = self.max_job_bytes.min(self.blobs.max_bytes());
         if s.input_bytes() > limit {
@@ -225,15 +256,25 @@ impl JobService {
             ));
         }
         let lease_left = record.terms.end_ms - now;
-        let memory = if record.terms.mem_bytes == 0 {
-            DEFAULT_JOB_MEMORY
-        } else {
-            record.terms.mem_bytes.min(WASM32_MAX_MEMORY)
+        let memory = match (&s.program, record.terms.mem_bytes) {
+            (Program::Wasm { .. }, 0) => DEFAULT_JOB_MEMORY,
+            (Program::Wasm { .. }, m) => m.min(WASM32_MAX_MEMORY),
+            (Program::Container { .. }, 0) => DEFAULT_CONTAINER_MEMORY,
+            (Program::Container { .. }, m) => m,
         };
         Ok(Admitted {
             wall_time: Duration::from_millis(s.timeout_ms.min(lease_left)),
             memory_bytes: memory,
             cpus: record.terms.cpus.clamp(1, self.total_slots.max(1)),
+            gpus: record
+                .terms
+                .gpus
+                .iter()
+                .map(|g| GpuDevice {
+                    index: g.index,
+                    uuid: g.uuid.clone(),
+                })
+                .collect(),
             lease_left: Duration::from_millis(lease_left),
         })
     }
@@ -275,25 +316,21 @@ impl JobService {
             committed.1.push(*blob);
         }
 
-        let module_path = self.blobs.path(&submit.module.hash);
-        let exec = self.executor.clone();
-        let fuel = submit.fuel.is_some();
-        let compiled = tokio::task::spawn_blocking(move || {
-            let bytes = std::fs::read(&module_path).map_err(|e| e.to_string())?;
-            exec.compile(&bytes, fuel).map_err(|e| e.to_string())
-        })
-        .await
-        .map_err(std::io::Error::other)?;
-        let task = match compiled {
-            Ok(t) => t,
-            Err(e) => {
-                let rej = reject(JobRefusal::InvalidModule, e);
+        let ready = match self.prepare(&submit.program).await {
+            Ok(r) => r,
+            Err(rej) => {
                 self.node.metrics().job_rejected(rej.code.label());
                 wire::write_message(w, &ProviderMsg::Rejected(rej)).await?;
                 return Ok(());
             }
         };
-        let module_cached = task.source != gpunode_sandbox::wasm::CacheSource::Compiled;
+        let module_cached = match &ready {
+            Ready::Wasm(task) => task.source != gpunode_sandbox::wasm::CacheSource::Compiled,
+            Ready::Container(_) => submit
+                .program
+                .blob()
+                .is_some_and(|b| !missing.iter().any(|m| m.hash == b.hash)),
+        };
 
         let workdir = JobDir::create(&self.jobs_dir)?;
         if let Err(e) = self.materialize_inputs(&submit.inputs, &workdir.input()) {
@@ -306,8 +343,9 @@ impl JobService {
             return Err(e);
         }
 
-        let cancel = CancelToken::new();
-        let key = self.lease_jobs.add(submit.lease_id, cancel.clone());
+        let control = JobControl::new(admitted.gpus.iter().map(|g| g.uuid.clone()).collect());
+        let cancel = control.cancel.clone();
+        let key = self.lease_jobs.add(submit.lease_id, control.clone());
         let _registered = Unregister(&self.lease_jobs, submit.lease_id, key);
         // However this exchange ends (the requester gone mid-run included), the guest
         // does not outlive it.
@@ -326,6 +364,13 @@ impl JobService {
         let priority = role_priority * 1_000_000_000_000_000 + standing;
         let permits = self.slots.acquire(admitted.cpus, priority).await;
 
+        // The lease's receipt waits until this job's usage is recorded.
+        let accounts = self.node.accounts().clone();
+        accounts.metered.job_started(submit.lease_id);
+        let usage_recorded = {
+            let (accounts, lease) = (accounts.clone(), submit.lease_id);
+            scopeguard(move || accounts.metered.job_ended(lease))
+        };
         let metrics = self.node.metrics().clone();
         metrics.jobs_running.inc();
         let _running = scopeguard(move || {
@@ -335,12 +380,18 @@ impl JobService {
         w.flush().await?;
 
         // The requester may cancel, or vanish, while the task runs.
+        let requester_cancelled = Arc::new(AtomicBool::new(false));
         let watcher = {
-            let cancel = cancel.clone();
+            let (cancel, asked) = (cancel.clone(), requester_cancelled.clone());
             tokio::spawn(async move {
                 loop {
                     match wire::read_frame::<_, RequesterMsg>(&mut r).await {
-                        Ok(Some(Frame::Message(RequesterMsg::Cancel))) | Ok(None) | Err(_) => {
+                        Ok(Some(Frame::Message(RequesterMsg::Cancel))) => {
+                            asked.store(true, Ordering::SeqCst);
+                            cancel.cancel();
+                            return;
+                        }
+                        Ok(None) | Err(_) => {
                             cancel.cancel();
                             return;
                         }
@@ -351,26 +402,70 @@ impl JobService {
         };
 
         let (tx, mut rx) = mpsc::channel::<ProviderMsg>(64);
-        let limits = Limits {
-            wall_time: admitted.wall_time,
-            fuel: submit.fuel,
-            memory_bytes: admitted.memory_bytes as usize,
-            output_bytes: self.max_job_bytes,
-            ..Limits::default()
-        };
-        let spec = RunSpec {
-            args: submit.args.clone(),
-            env: submit.env.clone(),
-            input_dir: Some(workdir.input()),
-            output_dir: workdir.output(),
-            limits,
-            stdout: log_sink(tx.clone(), ProviderMsg::Stdout),
-            stderr: log_sink(tx, ProviderMsg::Stderr),
-            cancel: cancel.clone(),
-        };
-        let exec = self.executor.clone();
+        let (stdout, stderr) = (
+            log_sink(tx.clone(), ProviderMsg::Stdout),
+            log_sink(tx, ProviderMsg::Stderr),
+        );
         let started = Instant::now();
-        let run = tokio::task::spawn_blocking(move || exec.run(&task, spec));
+        let run = match ready {
+            Ready::Wasm(task) => {
+                let spec = RunSpec {
+                    args: submit.args.clone(),
+                    env: submit.env.clone(),
+                    input_dir: Some(workdir.input()),
+                    output_dir: workdir.output(),
+                    limits: Limits {
+                        wall_time: admitted.wall_time,
+                        fuel: match submit.program {
+                            Program::Wasm { fuel, .. } => fuel,
+                            Program::Container { .. } => None,
+                        },
+                        memory_bytes: admitted.memory_bytes as usize,
+                        output_bytes: self.max_job_bytes,
+                        ..Limits::default()
+                    },
+                    stdout,
+                    stderr,
+                    cancel: cancel.clone(),
+                };
+                let exec = self.executor.clone();
+                tokio::task::spawn_blocking(move || exec.run(&task, spec))
+            }
+            Ready::Container(root) => {
+                let Some(runtime) = self.containers.clone() else {
+                    return Err(std::io::Error::other("container backend gone"));
+                };
+                let mut command = match &submit.program {
+                    Program::Container { command, .. } => command.clone(),
+                    Program::Wasm { .. } => Vec::new(),
+                };
+                command.extend(submit.args.iter().cloned());
+                let spec = ContainerSpec {
+                    root,
+                    command,
+                    env: submit.env.clone(),
+                    input_dir: Some(workdir.input()),
+                    output_dir: workdir.output(),
+                    gpus: admitted.gpus.clone(),
+                    limits: ContainerLimits {
+                        wall_time: admitted.wall_time,
+                        memory_bytes: admitted.memory_bytes,
+                        cpu_seconds: admitted.wall_time.as_secs().max(1) * u64::from(admitted.cpus),
+                        output_bytes: self.max_job_bytes,
+                        ..ContainerLimits::default()
+                    },
+                    stdout,
+                    stderr,
+                    cancel: cancel.clone(),
+                    pause: control.pause.clone(),
+                    on_start: Some({
+                        let control = control.clone();
+                        Box::new(move |pid| control.set_root_pid(pid))
+                    }),
+                };
+                tokio::task::spawn_blocking(move || runtime.executor.run(spec))
+            }
+        };
         while let Some(msg) = rx.recv().await {
             wire::write_message(w, &msg).await?;
             if rx.is_empty() {
@@ -382,9 +477,14 @@ impl JobService {
         drop(permits);
         watcher.abort();
         let outcome = match outcome {
+            Ok(_) if control.was_preempted() => JobOutcome::Preempted,
             Ok(o) => wire_outcome(o),
             Err(e) => {
-                let rej = reject(JobRefusal::ProviderError, e.to_string());
+                let code = match e {
+                    SandboxError::InvalidModule(_) => JobRefusal::InvalidModule,
+                    SandboxError::Setup(_) => JobRefusal::ProviderError,
+                };
+                let rej = reject(code, e.to_string());
                 self.node.metrics().job_rejected(rej.code.label());
                 wire::write_message(w, &ProviderMsg::Rejected(rej)).await?;
                 return Ok(());
@@ -396,19 +496,40 @@ impl JobService {
         if accounts.misbehaviour.corrupt_outputs {
             corrupt_outputs(&workdir.output())?;
         }
-        let outputs = list_outputs(&workdir.output()).await?;
+        // A job stopped without its requester asking (lease ended, owner came back,
+        // requester gone) sends no outputs: the requester retries elsewhere, so there is
+        // no digest for both to agree on.
+        let stopped_unasked = outcome == JobOutcome::Preempted
+            || (outcome == JobOutcome::Cancelled && !requester_cancelled.load(Ordering::SeqCst));
+        let outputs = if stopped_unasked {
+            Vec::new()
+        } else {
+            list_outputs(&workdir.output()).await?
+        };
         let files: Vec<JobFile> = outputs.iter().map(|(f, _)| f.clone()).collect();
         accounts.metered.add_job(
             submit.lease_id,
             run_ms,
             outcome_status(&outcome),
-            Some(job_output_digest(&files)),
+            (!stopped_unasked).then(|| job_output_digest(&files)),
         );
+        // Samples cover whole poll intervals: never more than the GPUs over the run.
+        let gpu_use = control.gpu_use().map(|mut g| {
+            g.gpu_ms = g
+                .gpu_ms
+                .min(run_ms.saturating_mul(admitted.gpus.len() as u64));
+            g
+        });
+        if let Some(gpu) = gpu_use.filter(|_| control.root_pid_known()) {
+            accounts.metered.add_gpu_use(submit.lease_id, gpu.gpu_ms);
+        }
+        drop(usage_recorded);
         let report = JobReport {
             outcome,
             run_ms,
             module_cached,
             outputs: files,
+            gpu: gpu_use,
         };
         wire::write_message(w, &ProviderMsg::Finished(report)).await?;
         for (file, path) in &outputs {
@@ -417,6 +538,49 @@ impl JobService {
         }
         w.flush().await?;
         Ok(())
+    }
+
+    /// Compiles the module, or unpacks the image (once per image), off the async
+    /// workers. A program that cannot run is refused with what is wrong with it.
+    async fn prepare(&self, program: &Program) -> Result<Ready, JobRejection> {
+        let failed = |e: tokio::task::JoinError| reject(JobRefusal::ProviderError, e.to_string());
+        match program {
+            Program::Wasm { module, fuel } => {
+                let module_path = self.blobs.path(&module.hash);
+                let exec = self.executor.clone();
+                let fuel = fuel.is_some();
+                tokio::task::spawn_blocking(move || {
+                    let bytes = std::fs::read(&module_path).map_err(|e| e.to_string())?;
+                    exec.compile(&bytes, fuel).map_err(|e| e.to_string())
+                })
+                .await
+                .map_err(failed)?
+                .map(Ready::Wasm)
+                .map_err(|e| reject(JobRefusal::InvalidModule, e))
+            }
+            Program::Container { image: None, .. } => Ok(Ready::Container(Root::HostEnv)),
+            Program::Container {
+                image: Some(image), ..
+            } => {
+                let Some(runtime) = self.containers.clone() else {
+                    return Err(reject(
+                        JobRefusal::WrongBackend,
+                        "this provider does not run containers",
+                    ));
+                };
+                let (archive, digest) = (self.blobs.path(&image.hash), image.hex());
+                tokio::task::spawn_blocking(move || runtime.images.rootfs(&archive, &digest))
+                    .await
+                    .map_err(failed)?
+                    .map(|(rootfs, config)| Ready::Container(Root::Image { rootfs, config }))
+                    .map_err(|e| {
+                        reject(
+                            JobRefusal::InvalidModule,
+                            format!("the image cannot be used: {e}"),
+                        )
+                    })
+            }
+        }
     }
 
     /// Hard-links (or copies) each cached input into the job's input directory.

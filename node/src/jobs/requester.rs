@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use futures::{AsyncReadExt, AsyncWriteExt};
 use gpunode_protocol::job::{
     check_relative_path, BlobHash, BlobRef, JobFile, JobOutcome, JobRefusal, JobReport, JobSubmit,
-    ProviderMsg, RequesterMsg, JOB_VERSION, MAX_INPUT_FILES, MAX_MESSAGE_BYTES,
+    Program, ProviderMsg, RequesterMsg, JOB_VERSION, MAX_INPUT_FILES, MAX_MESSAGE_BYTES,
 };
 use gpunode_protocol::lease::LeaseId;
 use gpunode_protocol::time::now_ms;
@@ -37,14 +37,32 @@ const RECEIPT_WAIT: Duration = Duration::from_secs(10);
 const STOPPED_ANSWERING: &str = "the provider stopped answering";
 /// Why an attempt ended when the provider stopped the job unasked.
 const STOPPED_UNASKED: &str = "the provider stopped the job before it ended";
+/// Why an attempt ended when the provider's owner took the GPU back.
+const PREEMPTED: &str =
+    "the provider's owner took the GPU back (preempted; only the time used is charged)";
 /// How long a cancelled job may take to report back.
 const CANCEL_GRACE: Duration = Duration::from_secs(5);
+
+/// A container job's program, with paths on this machine.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ContainerRequest {
+    /// The image archive (`docker save`, OCI archive) to run in; `None` runs on the
+    /// provider's own system software (`--host-env`).
+    pub image: Option<PathBuf>,
+    /// Program and arguments (empty: the image's entrypoint and cmd).
+    pub command: Vec<String>,
+}
 
 /// What to run, with paths on this machine.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct JobRequest {
-    /// The task: a `.wasm` module or `.wat` text.
+    /// The task: a `.wasm` module or `.wat` text (for container jobs, what `jobs`
+    /// shows as the task: the image or the command).
     pub module: PathBuf,
+    /// Run a native command in a container (the `container` backend) instead of the
+    /// module.
+    #[serde(default)]
+    pub container: Option<ContainerRequest>,
     /// Files or directories shown under `/input` by their names.
     #[serde(default)]
     pub inputs: Vec<PathBuf>,
@@ -144,7 +162,7 @@ pub enum JobEvent {
     /// The job ended with a result.
     Finished {
         /// What happened.
-        summary: JobSummary,
+        summary: Box<JobSummary>,
     },
     /// The job could not be run.
     Failed {
@@ -204,6 +222,9 @@ pub struct JobSummary {
     pub attempts: u32,
     /// Whether the provider had the compiled module cached.
     pub module_cached: bool,
+    /// GPU use the provider measured (jobs that held GPUs).
+    #[serde(default)]
+    pub gpu: Option<gpunode_protocol::job::GpuUse>,
 }
 
 /// One replica of a replicated job.
@@ -265,8 +286,11 @@ struct LocalFile {
 
 /// The job with everything hashed, ready to send to any provider.
 pub(super) struct Prepared {
+    /// The module's bytes (wasm jobs; empty for containers).
     module: Vec<u8>,
-    module_blob: BlobRef,
+    /// The image archive on disk (container jobs with an image).
+    image: Option<PathBuf>,
+    program: Program,
     inputs: Vec<LocalFile>,
 }
 
@@ -276,12 +300,11 @@ impl Prepared {
         JobSubmit {
             version: JOB_VERSION,
             lease_id,
-            module: self.module_blob,
+            program: self.program.clone(),
             inputs: self.inputs.iter().map(|f| f.file.clone()).collect(),
             args: req.args.clone(),
             env: req.env.clone(),
             timeout_ms: req.timeout_ms,
-            fuel: req.fuel,
         }
     }
 }
@@ -336,7 +359,12 @@ impl NodeHandle {
                 min_gpu_mem_bytes: None,
                 cpus: req.cpus,
                 mem_bytes: req.mem_bytes,
-                backend: "wasm".into(),
+                backend: if req.container.is_some() {
+                    "container"
+                } else {
+                    "wasm"
+                }
+                .into(),
                 duration_ms: req.timeout_ms.saturating_add(LEASE_MARGIN_MS),
                 max_price: req.max_price,
                 exclude: exclude.clone(),
@@ -411,6 +439,7 @@ impl NodeHandle {
                         outputs: report.outputs.iter().map(|f| f.path.clone()).collect(),
                         attempts: attempt,
                         module_cached: report.module_cached,
+                        gpu: report.gpu,
                     });
                 }
                 Attempt::Fatal(why) => return Err(JobError::Failed(why)),
@@ -452,6 +481,8 @@ impl NodeHandle {
             Attempt::Retry(why) if why == STOPPED_UNASKED => {
                 ("failed".into(), None, Some(Outcome::CancelledByProvider))
             }
+            // The owner's right, announced in the provider's policy: no fault.
+            Attempt::Retry(why) if why == PREEMPTED => ("preempted".into(), None, None),
             Attempt::Retry(_) => ("failed".into(), None, Some(Outcome::Failed)),
             Attempt::Fatal(_) => ("failed".into(), None, None),
         };
@@ -470,27 +501,37 @@ impl NodeHandle {
                 "the timeout must be positive, e.g. --timeout 10m".into(),
             ));
         }
-        let module = tokio::fs::read(&req.module).await.map_err(|e| {
-            JobError::Invalid(format!(
-                "cannot read task file {}: {e}",
-                req.module.display()
-            ))
-        })?;
-        let exec = self.jobs.executor.clone();
-        let bytes = module.clone();
-        let fuel = req.fuel.is_some();
-        tokio::task::spawn_blocking(move || exec.compile(&bytes, fuel))
-            .await
-            .map_err(|e| JobError::Invalid(e.to_string()))?
-            .map_err(|e| {
-                JobError::Invalid(format!(
-                    "{} is not a runnable task: {e}",
-                    req.module.display()
-                ))
-            })?;
-        let module_blob = BlobRef {
-            hash: *blake3::hash(&module).as_bytes(),
-            size: module.len() as u64,
+        let (module, image, program) = match &req.container {
+            Some(c) => {
+                let blob = match &c.image {
+                    Some(path) => Some(wire::hash_file(path).await.map_err(|e| {
+                        JobError::Invalid(format!("cannot read image {}: {e}", path.display()))
+                    })?),
+                    None if c.command.is_empty() => {
+                        return Err(JobError::Invalid(
+                            "--host-env needs a command: gpunode run --backend container --host-env -- python train.py"
+                                .into(),
+                        ))
+                    }
+                    None => None,
+                };
+                let program = Program::Container {
+                    image: blob,
+                    command: c.command.clone(),
+                };
+                (Vec::new(), c.image.clone(), program)
+            }
+            None => {
+                let module = self.read_module(req).await?;
+                let program = Program::Wasm {
+                    module: BlobRef {
+                        hash: *blake3::hash(&module).as_bytes(),
+                        size: module.len() as u64,
+                    },
+                    fuel: req.fuel,
+                };
+                (module, None, program)
+            }
         };
         let mut inputs = Vec::new();
         for root in &req.inputs {
@@ -513,7 +554,8 @@ impl NodeHandle {
         }
         let prepared = Prepared {
             module,
-            module_blob,
+            image,
+            program,
             inputs,
         };
         let size = gpunode_protocol::encoding::encode(&RequesterMsg::Submit(
@@ -526,6 +568,30 @@ impl NodeHandle {
             )));
         }
         Ok(prepared)
+    }
+
+    /// Reads the module and checks here that it is a runnable task, so that an invalid
+    /// module never costs a lease.
+    async fn read_module(&self, req: &JobRequest) -> Result<Vec<u8>, JobError> {
+        let module = tokio::fs::read(&req.module).await.map_err(|e| {
+            JobError::Invalid(format!(
+                "cannot read task file {}: {e}",
+                req.module.display()
+            ))
+        })?;
+        let exec = self.jobs.executor.clone();
+        let bytes = module.clone();
+        let fuel = req.fuel.is_some();
+        tokio::task::spawn_blocking(move || exec.compile(&bytes, fuel))
+            .await
+            .map_err(|e| JobError::Invalid(e.to_string()))?
+            .map_err(|e| {
+                JobError::Invalid(format!(
+                    "{} is not a runnable task: {e}",
+                    req.module.display()
+                ))
+            })?;
+        Ok(module)
     }
 
     async fn attempt(
@@ -602,6 +668,9 @@ impl NodeHandle {
                 Err(e) => return lost(e),
             }
         };
+        if report.outcome == JobOutcome::Preempted {
+            return Attempt::Retry(PREEMPTED.into());
+        }
         if report.outcome == JobOutcome::Cancelled && !cancel_sent {
             // Not our doing: the provider ended the lease, shut down or was preempted.
             return Attempt::Retry(STOPPED_UNASKED.into());
@@ -624,11 +693,24 @@ impl NodeHandle {
             .iter()
             .map(|f| (f.file.blob.hash, f))
             .collect();
+        let program = prepared.program.blob();
         for hash in missing {
-            if *hash == prepared.module_blob.hash {
-                let size = prepared.module_blob.size;
-                wire::send_blob(w, &mut &prepared.module[..], size, |_| {}).await?;
-                continue;
+            match (program, &prepared.image) {
+                (Some(blob), None) if blob.hash == *hash => {
+                    wire::send_blob(w, &mut &prepared.module[..], blob.size, |_| {}).await?;
+                    continue;
+                }
+                (Some(blob), Some(path)) if blob.hash == *hash => {
+                    let mut src = tokio::fs::File::open(path).await?;
+                    let name = path
+                        .file_name()
+                        .map(|n| n.to_string_lossy().into_owned())
+                        .unwrap_or_else(|| "image".into());
+                    let mut report = progress_reporter("upload", &name, blob.size, events);
+                    wire::send_blob(w, &mut src, blob.size, &mut report).await?;
+                    continue;
+                }
+                _ => {}
             }
             let Some(local) = by_hash.get(hash) else {
                 return Err(std::io::Error::other(

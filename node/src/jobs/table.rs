@@ -180,7 +180,7 @@ impl JobTable {
                 } else {
                     JobState::Finished
                 };
-                e.view.summary = Some(summary.clone());
+                e.view.summary = Some((**summary).clone());
                 e.view.ended_ms = Some(now_ms());
             }
             JobEvent::Failed { error } => {
@@ -314,6 +314,7 @@ mod tests {
     fn request() -> JobRequest {
         JobRequest {
             module: "t.wasm".into(),
+            container: None,
             inputs: vec![],
             output_dir: "/tmp/out".into(),
             output_per_job: false,

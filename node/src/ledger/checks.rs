@@ -111,7 +111,9 @@ pub fn check_claim_with(
             ),
         ));
     }
-    if r.gpu_ms != r.billed_ms.saturating_mul(r.gpus as u64)
+    // GPU time is measured by the provider (or the leased GPU time when it measured
+    // nothing), so it is at most the leased GPUs over the billed time.
+    if r.gpu_ms > r.billed_ms.saturating_mul(r.gpus as u64)
         || r.cpu_ms != r.billed_ms.saturating_mul(r.cpus as u64)
     {
         return Err(refuse(

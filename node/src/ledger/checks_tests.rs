@@ -49,6 +49,7 @@ fn setup() -> Setup {
         jobs: 1,
         last_status: "exited 0".into(),
         digests: vec![[9; 32]],
+        measured_gpu_ms: None,
     };
     Setup {
         provider,
@@ -163,6 +164,14 @@ fn inflated_receipts_are_refused() {
     let mut r = honest(&s);
     r.cpu_ms *= 3;
     assert_eq!(check(&s, r), Err(Code::Inflated));
+    // More GPU time than the leased GPUs had over the billed time.
+    let mut r = honest(&s);
+    r.gpu_ms = r.billed_ms * r.gpus as u64 + 1;
+    assert_eq!(check(&s, r), Err(Code::Inflated));
+    // Less measured GPU time (the job used its GPU part of the time) is fine.
+    let mut r = honest(&s);
+    r.gpu_ms /= 2;
+    assert_eq!(check(&s, r), Ok(()));
     // More jobs than were sent.
     let mut r = honest(&s);
     r.jobs = 2;

@@ -26,6 +26,9 @@ pub struct LeaseUsage {
     pub last_status: String,
     /// Output digest of each job that delivered.
     pub digests: Vec<Digest>,
+    /// GPU time measured from the driver (container jobs on GPUs), ms summed over
+    /// GPUs; `None` when nothing was measured and receipts count leased GPU time.
+    pub measured_gpu_ms: Option<u64>,
 }
 
 impl LeaseUsage {
@@ -49,6 +52,11 @@ pub struct UsageMeter {
     store: Store,
     tree: &'static str,
     leases: Mutex<HashMap<LeaseId, LeaseUsage>>,
+    /// Jobs still running, by lease: their usage is not known yet, so their lease's
+    /// receipt waits for them.
+    running: Mutex<HashMap<LeaseId, u32>>,
+    /// Told when the last running job of a lease ends.
+    pub jobs_done: tokio::sync::Notify,
 }
 
 impl std::fmt::Debug for UsageMeter {
@@ -75,11 +83,29 @@ impl UsageMeter {
             store,
             tree,
             leases: Mutex::new(leases),
+            running: Mutex::new(HashMap::new()),
+            jobs_done: tokio::sync::Notify::new(),
         })
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<LeaseId, LeaseUsage>> {
         self.leases.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Adds GPU time measured from the driver to `lease` (container jobs on GPUs).
+    pub fn add_gpu_use(&self, lease: LeaseId, gpu_ms: u64) {
+        let usage = {
+            let mut leases = self.lock();
+            let u = leases.entry(lease).or_default();
+            u.measured_gpu_ms = Some(u.measured_gpu_ms.unwrap_or(0).saturating_add(gpu_ms));
+            u.clone()
+        };
+        if let Err(e) = self
+            .store
+            .put(self.tree, &lease.0, &encoding::encode(&usage))
+        {
+            tracing::warn!("cannot store usage of lease {lease}: {e}");
+        }
     }
 
     /// Adds one job to `lease`.
@@ -99,6 +125,32 @@ impl UsageMeter {
         {
             tracing::warn!("cannot store usage of lease {lease}: {e}");
         }
+    }
+
+    /// A job of `lease` started; its lease's receipt waits for [`UsageMeter::job_ended`].
+    pub fn job_started(&self, lease: LeaseId) {
+        let mut running = self.running.lock().unwrap_or_else(|p| p.into_inner());
+        *running.entry(lease).or_default() += 1;
+    }
+
+    /// A job of `lease` ended (after [`UsageMeter::add_job`], or without usage).
+    pub fn job_ended(&self, lease: LeaseId) {
+        let mut running = self.running.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = running.get_mut(&lease) {
+            *n -= 1;
+            if *n == 0 {
+                running.remove(&lease);
+                self.jobs_done.notify_one();
+            }
+        }
+    }
+
+    /// Whether a job of `lease` is still running.
+    pub fn has_running(&self, lease: &LeaseId) -> bool {
+        self.running
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains_key(lease)
     }
 
     /// What `lease` used so far (nothing if no job ran).

@@ -131,6 +131,9 @@ pub struct Accounts {
     /// Usage of leases we hold, as observed here.
     pub observed: UsageMeter,
     claims: Mutex<ClaimBook>,
+    /// Provider side: ended leases whose last job is still stopping; their claims are
+    /// made when it has ended.
+    deferred: Mutex<Vec<LeaseRecord>>,
     /// Requester side: receipts we refused, by lease (why), until the process ends.
     refused: Mutex<HashMap<LeaseId, String>>,
     /// Bumped after every batch of claims we answered.
@@ -188,6 +191,7 @@ impl Accounts {
             metered: UsageMeter::open(store.clone(), "metered")?,
             observed: UsageMeter::open(store.clone(), "observed")?,
             claims: Mutex::new(claims),
+            deferred: Mutex::new(Vec::new()),
             refused: Mutex::new(HashMap::new()),
             answered: watch::channel(0).0,
             store,
@@ -281,6 +285,14 @@ impl Accounts {
             {
                 continue;
             }
+            if self.metered.has_running(&id) {
+                // Its last job is stopping: the receipt waits for its usage.
+                self.deferred
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push(record.clone());
+                continue;
+            }
             let receipt = self.receipt_for(record);
             let provider_sig = match receipt.sign(&self.keypair) {
                 Ok(s) => s,
@@ -343,7 +355,12 @@ impl Accounts {
             start_ms: t.start_ms,
             end_ms,
             billed_ms,
-            gpu_ms: billed_ms.saturating_mul(gpus as u64),
+            // Measured GPU time where the driver showed the job's processes; leased GPU
+            // time otherwise. Never more than the leased GPUs over the billed time.
+            gpu_ms: usage
+                .measured_gpu_ms
+                .unwrap_or(u64::MAX)
+                .min(billed_ms.saturating_mul(gpus as u64)),
             cpu_ms: billed_ms.saturating_mul(t.cpus as u64),
             jobs: usage.jobs,
             exit_status: usage.exit_status(),
@@ -741,6 +758,13 @@ pub async fn run_claims(
                     let next = backoff.get(&peer).map_or(FIRST_RETRY, |(_, d)| (*d * 2).min(MAX_RETRY));
                     backoff.insert(peer, (tokio::time::Instant::now() + next, next));
                 }
+            }
+            _ = accounts.metered.jobs_done.notified() => {
+                let deferred: Vec<LeaseRecord> = std::mem::take(
+                    &mut *accounts.deferred.lock().unwrap_or_else(|p| p.into_inner()),
+                );
+                let a = accounts.clone();
+                let _ = tokio::task::spawn_blocking(move || a.make_claims(&deferred)).await;
             }
             _ = retry.tick() => {}
             _ = stop.changed() => return,

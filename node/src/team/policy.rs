@@ -102,7 +102,7 @@ fn day(name: &str) -> Result<u8, String> {
 }
 
 /// "mon-fri", "sat,sun", "mon" → day numbers.
-fn days(text: &str) -> Result<Vec<u8>, String> {
+pub(crate) fn days(text: &str) -> Result<Vec<u8>, String> {
     let mut out = Vec::new();
     for part in text.split(',') {
         match part.split_once('-') {
@@ -125,7 +125,7 @@ fn days(text: &str) -> Result<Vec<u8>, String> {
     Ok(out)
 }
 
-fn minute(text: &str) -> Result<u16, String> {
+pub(crate) fn minute(text: &str) -> Result<u16, String> {
     let (h, m) = text
         .trim()
         .split_once(':')
@@ -140,7 +140,7 @@ fn minute(text: &str) -> Result<u16, String> {
     Ok(h * 60 + m)
 }
 
-fn offset(text: &str) -> Result<i32, String> {
+pub(crate) fn offset(text: &str) -> Result<i32, String> {
     let t = text.trim();
     let (sign, rest) = match t.chars().next() {
         Some('+') => (1, &t[1..]),

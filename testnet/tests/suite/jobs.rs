@@ -10,7 +10,8 @@ use gpunode_node::jobs::JobEvent;
 use gpunode_node::{LeaseSpec, NodeConfig};
 use gpunode_protocol::encoding;
 use gpunode_protocol::job::{
-    BlobRef, JobFile, JobOutcome, JobRefusal, JobSubmit, ProviderMsg, RequesterMsg, JOB_VERSION,
+    BlobRef, JobFile, JobOutcome, JobRefusal, JobSubmit, Program, ProviderMsg, RequesterMsg,
+    JOB_VERSION,
 };
 use gpunode_protocol::lease::LeaseId;
 use testnet::jobs::{outcome, request, run_to_end, stdout_of, task, until_end, until_started};
@@ -326,12 +327,14 @@ async fn hostile_job_requests_are_refused_and_the_provider_keeps_serving() {
         RequesterMsg::Submit(JobSubmit {
             version: JOB_VERSION,
             lease_id,
-            module: blob,
+            program: Program::Wasm {
+                module: blob,
+                fuel: None,
+            },
             inputs,
             args: vec![],
             env: vec![],
             timeout_ms: 1000,
-            fuel: None,
         })
     };
     let file = |path: &str, size| JobFile {

@@ -2,10 +2,12 @@
 //! links libp2p and wasmtime, so one binary instead of seven saves gigabytes of disk
 //! and minutes of linking).
 
+mod containers;
 mod discovery;
 mod hostile_peers;
 mod jobs;
 mod leases;
 mod ledger;
 mod ledger_crash;
+mod owner;
 mod teams;

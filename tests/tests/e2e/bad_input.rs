@@ -154,7 +154,7 @@ fn bad_run_flags_and_task_files_are_refused_before_any_lease() {
     let task = tmp.path().join("t.wat");
     fs::write(&task, "(module (func (export \"_start\")))").expect("write");
     let task = task.to_str().expect("utf8");
-    let cases: [(&[&str], &str); 9] = [
+    let cases: [(&[&str], &str); 15] = [
         (&["run", task, "--env", "NOEQUALS"], "expected NAME=VALUE"),
         (&["run", task, "--env", "=v"], "the name is empty"),
         (&["run", task, "--timeout", "0s"], "--timeout"),
@@ -166,6 +166,24 @@ fn bad_run_flags_and_task_files_are_refused_before_any_lease() {
         (
             &["run", "--detach", task],
             "--detach needs a running daemon",
+        ),
+        (&["run"], "give a TASK file"),
+        (
+            &["run", task, "--host-env", "--", "sh"],
+            "a container job takes no TASK",
+        ),
+        (
+            &["run", "--backend", "container", "--", "sh"],
+            "needs --image ARCHIVE",
+        ),
+        (&["run", "--host-env"], "--host-env needs a command"),
+        (
+            &["run", "--image", "/nonexistent/img.tar", "--", "sh"],
+            "image archive /nonexistent/img.tar does not exist",
+        ),
+        (
+            &["run", "--backend", "wasm", task, "--host-env"],
+            "are for --backend container",
         ),
     ];
     for (args, expect) in cases {

@@ -1,0 +1,152 @@
+//! Control groups for one container job, where the host lets us make them: the memory
+//! and process-count limits the kernel enforces for the whole process tree, the count of
+//! OOM kills, and a sweep that kills whatever is left in the group. Cgroup v1 (`pids`
+//! and `memory` hierarchies) and v2 (a child of this process's own group) are tried; when
+//! neither is writable the caller falls back to rlimits.
+
+use std::path::{Path, PathBuf};
+
+use super::procs::{send, Signal};
+
+const ROOT: &str = "/sys/fs/cgroup";
+
+/// The groups made for one job; removed (after killing what is in them) on drop.
+#[derive(Debug)]
+pub struct JobCgroup {
+    dirs: Vec<PathBuf>,
+    memory_dir: Option<PathBuf>,
+    v2: bool,
+}
+
+impl JobCgroup {
+    /// Makes the groups with these limits; `None` when the host gives us neither the
+    /// memory nor the pids controller.
+    pub fn create(name: &str, memory_bytes: u64, max_processes: u32) -> Option<JobCgroup> {
+        JobCgroup::create_v2(name, memory_bytes, max_processes)
+            .or_else(|| JobCgroup::create_v1(name, memory_bytes, max_processes))
+    }
+
+    fn create_v1(name: &str, memory_bytes: u64, max_processes: u32) -> Option<JobCgroup> {
+        let mut group = JobCgroup {
+            dirs: Vec::new(),
+            memory_dir: None,
+            v2: false,
+        };
+        let pids = Path::new(ROOT).join("pids").join(name);
+        if make(&pids, &[("pids.max", max_processes.to_string())]) {
+            group.dirs.push(pids);
+        }
+        let memory = Path::new(ROOT).join("memory").join(name);
+        if make(
+            &memory,
+            &[("memory.limit_in_bytes", memory_bytes.to_string())],
+        ) {
+            group.dirs.push(memory.clone());
+            group.memory_dir = Some(memory);
+        }
+        // Both or nothing: half a cgroup would leave one limit to rlimits silently.
+        if group.dirs.len() == 2 {
+            Some(group)
+        } else {
+            drop(group);
+            None
+        }
+    }
+
+    fn create_v2(name: &str, memory_bytes: u64, max_processes: u32) -> Option<JobCgroup> {
+        let own = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+        let rel = own.lines().find_map(|l| l.strip_prefix("0::"))?;
+        let parent = Path::new(ROOT).join(rel.trim_start_matches('/'));
+        let controllers = std::fs::read_to_string(parent.join("cgroup.subtree_control")).ok()?;
+        if !(controllers.contains("memory") && controllers.contains("pids")) {
+            return None;
+        }
+        let dir = parent.join(name);
+        let limits = [
+            ("memory.max", memory_bytes.to_string()),
+            ("memory.swap.max", "0".to_string()),
+            ("pids.max", max_processes.to_string()),
+        ];
+        make(&dir, &limits).then(|| JobCgroup {
+            memory_dir: Some(dir.clone()),
+            dirs: vec![dir],
+            v2: true,
+        })
+    }
+
+    /// The `cgroup.procs` files a process writes its pid into to join every group.
+    pub fn procs_files(&self) -> Vec<PathBuf> {
+        self.dirs.iter().map(|d| d.join("cgroup.procs")).collect()
+    }
+
+    /// Whether the kernel killed a process of the group for going over its memory.
+    pub fn oom_killed(&self) -> bool {
+        let Some(dir) = &self.memory_dir else {
+            return false;
+        };
+        let (file, key) = if self.v2 {
+            ("memory.events", "oom_kill")
+        } else {
+            ("memory.oom_control", "oom_kill")
+        };
+        let counted = std::fs::read_to_string(dir.join(file))
+            .ok()
+            .and_then(|text| {
+                text.lines().find_map(|l| {
+                    let (k, v) = l.split_once(' ')?;
+                    (k == key).then(|| v.trim().parse::<u64>().ok())?
+                })
+            });
+        match counted {
+            Some(n) => n > 0,
+            // Older v1 kernels have no oom_kill line: any refused charge counts.
+            None => std::fs::read_to_string(dir.join("memory.failcnt"))
+                .ok()
+                .and_then(|s| s.trim().parse::<u64>().ok())
+                .is_some_and(|n| n > 0),
+        }
+    }
+
+    /// Kills every process in the groups; true when none is left.
+    pub fn kill_all(&self) -> bool {
+        let mut empty = true;
+        for file in self.procs_files() {
+            let pids = std::fs::read_to_string(&file).unwrap_or_default();
+            for pid in pids.lines().filter_map(|l| l.trim().parse::<u32>().ok()) {
+                empty = false;
+                send(pid, Signal::Kill);
+            }
+        }
+        empty
+    }
+}
+
+impl Drop for JobCgroup {
+    fn drop(&mut self) {
+        for _ in 0..100 {
+            if self.kill_all() {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        for dir in &self.dirs {
+            if let Err(e) = std::fs::remove_dir(dir) {
+                tracing::warn!("cannot remove cgroup {}: {e}", dir.display());
+            }
+        }
+    }
+}
+
+/// Creates a group and writes its limits; false (and nothing left behind) on failure.
+fn make(dir: &Path, limits: &[(&str, String)]) -> bool {
+    if std::fs::create_dir(dir).is_err() {
+        return false;
+    }
+    for (file, value) in limits {
+        if std::fs::write(dir.join(file), value).is_err() && !file.contains("swap") {
+            let _ = std::fs::remove_dir(dir);
+            return false;
+        }
+    }
+    true
+}

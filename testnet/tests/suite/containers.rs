@@ -1,0 +1,110 @@
+//! Container jobs between real nodes on 127.0.0.1: a `--host-env` job and an image job
+//! run under bubblewrap on a provider with simulated GPUs, see only the leased GPU,
+//! send their outputs back and settle; a provider that does not allow `--host-env`
+//! refuses it with a reason.
+
+use std::time::Duration;
+
+use gpunode_node::jobs::ContainerRequest;
+use gpunode_node::NodeConfig;
+use gpunode_protocol::advert::OfferFilter;
+use gpunode_protocol::job::JobOutcome;
+use testnet::jobs::{request, run_to_end, stdout_of};
+use testnet::{TestNet, TestNetConfig};
+
+const LONG: Duration = Duration::from_secs(60);
+
+fn containers(i: usize, c: &mut NodeConfig) {
+    c.backends = vec!["wasm".into(), "container".into()];
+    // Provider 0 lends its own system to container jobs; provider 1 only runs images.
+    c.allow_host_env = i == 0;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn container_jobs_see_only_their_gpu_and_settle() {
+    let mut config = TestNetConfig::new(vec![Some("2xA100-80GB".into()); 2]);
+    config.tweak = Some(containers);
+    let net = TestNet::start(config).await.expect("start");
+    let mut client = net.client().await.expect("client");
+    TestNet::wait_for_offers(&client.handle, &OfferFilter::default(), LONG, |o| {
+        o.len() == 2
+    })
+    .await
+    .expect("offers");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let input = dir.path().join("in.txt");
+    std::fs::write(&input, "data from the requester").expect("input");
+
+    // --host-env on provider 0, one GPU.
+    let mut req = request("sh".into(), &dir.path().join("out1"));
+    req.container = Some(ContainerRequest {
+        image: None,
+        command: vec![
+            "sh".into(),
+            "-c".into(),
+            "echo \"gpus=$CUDA_VISIBLE_DEVICES\"; cat /input/in.txt; echo; echo done > /output/result.txt"
+                .into(),
+        ],
+    });
+    req.inputs = vec![input.clone()];
+    req.gpus = 1;
+    req.peer = Some(net.nodes[0].handle.peer_id().to_string());
+    let (events, end) = run_to_end(&client.handle, req, LONG).await.expect("run");
+    let summary = end.expect("the host-env job succeeds");
+    assert_eq!(summary.outcome, JobOutcome::Exited(0));
+    let stdout = String::from_utf8(stdout_of(&events)).expect("utf-8");
+    let gpus: Vec<&str> = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("gpus="))
+        .expect("the gpu line")
+        .split(',')
+        .collect();
+    assert_eq!(gpus.len(), 1, "exactly the leased GPU: {stdout}");
+    assert!(gpus[0].starts_with("GPU-sim-"), "{stdout}");
+    assert!(stdout.contains("data from the requester"), "{stdout}");
+    assert_eq!(
+        std::fs::read_to_string(dir.path().join("out1/result.txt")).expect("result"),
+        "done\n"
+    );
+    assert_eq!(summary.receipt, "settled", "{summary:?}");
+
+    // An image job on provider 1: its default command runs inside the image.
+    let image = dir.path().join("shell.tar");
+    testnet::images::shell_image(
+        &image,
+        &[
+            "/bin/sh",
+            "-c",
+            "echo from the image; echo img > /output/img.txt",
+        ],
+    )
+    .expect("image");
+    let mut req = request(image.clone(), &dir.path().join("out2"));
+    req.container = Some(ContainerRequest {
+        image: Some(image),
+        command: Vec::new(),
+    });
+    req.peer = Some(net.nodes[1].handle.peer_id().to_string());
+    let (events, end) = run_to_end(&client.handle, req, LONG).await.expect("run");
+    let summary = end.expect("the image job succeeds");
+    assert_eq!(summary.outcome, JobOutcome::Exited(0));
+    assert_eq!(stdout_of(&events), b"from the image\n");
+    assert_eq!(
+        std::fs::read_to_string(dir.path().join("out2/img.txt")).expect("img"),
+        "img\n"
+    );
+
+    // Provider 1 does not lend its own system.
+    let mut req = request("sh".into(), &dir.path().join("out3"));
+    req.container = Some(ContainerRequest {
+        image: None,
+        command: vec!["true".into()],
+    });
+    req.peer = Some(net.nodes[1].handle.peer_id().to_string());
+    req.retries = 0;
+    let (_, end) = run_to_end(&client.handle, req, LONG).await.expect("run");
+    let error = end.expect_err("refused");
+    assert!(error.contains("does not allow --host-env"), "{error}");
+    client.shutdown().await;
+    net.shutdown().await;
+}
