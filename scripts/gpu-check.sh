@@ -35,6 +35,7 @@ if [ ! -x "$BIN" ]; then
   cargo build --release -p gpunode >"$WORK/build.log" 2>&1 || { fail "build" "see $WORK/build.log"; exit 1; }
 fi
 command -v bwrap >/dev/null 2>&1 || apt-get install -y -qq bubblewrap >/dev/null 2>&1
+BIN=$(realpath "$BIN")
 if [ -x "$BIN" ] && command -v bwrap >/dev/null 2>&1; then
   pass "release binary $BIN and bubblewrap $(bwrap --version | cut -d' ' -f2)"
 else

@@ -171,6 +171,7 @@ fn offer_filter(args: &OffersArgs) -> Result<OfferFilter> {
     };
     Ok(OfferFilter {
         gpu_model: args.gpu_model.clone(),
+        gpu_slice: args.gpu_slice.clone(),
         min_gpu_mem_bytes,
         gpus: args.gpus,
         backend: args.backend.clone(),
@@ -183,6 +184,7 @@ async fn offers(data_dir: DataDir, mut config: NodeConfig, args: OffersArgs) -> 
     let offers: Vec<OfferView> = if client.is_running().await {
         let q = OffersQuery {
             gpu_model: filter.gpu_model.clone(),
+            gpu_slice: filter.gpu_slice.clone(),
             min_gpu_mem: filter.min_gpu_mem_bytes,
             gpus: filter.gpus,
             backend: filter.backend.clone(),
@@ -219,6 +221,9 @@ fn serde_urlencoded_query(q: &OffersQuery) -> String {
     };
     if let Some(m) = &q.gpu_model {
         parts.push(format!("gpu_model={}", enc(m)));
+    }
+    if let Some(slice) = &q.gpu_slice {
+        parts.push(format!("gpu_slice={}", enc(slice)));
     }
     if let Some(m) = q.min_gpu_mem {
         parts.push(format!("min_gpu_mem={m}"));
@@ -314,6 +319,7 @@ async fn lease_request(
         peer: args.peer.clone(),
         gpus: args.gpus,
         gpu_model: args.gpu_model.clone(),
+        gpu_slice: args.gpu_slice.clone(),
         min_gpu_mem_bytes: args
             .min_gpu_mem
             .as_deref()

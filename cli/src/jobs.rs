@@ -161,6 +161,7 @@ fn job_request(args: &RunArgs) -> Result<JobRequest> {
         env,
         gpus: args.gpus,
         gpu_model: args.gpu_model.clone(),
+        gpu_slice: args.gpu_slice.clone(),
         cpus: args.cpus,
         mem_bytes: parse_size("mem", &args.mem)?,
         timeout_ms: timeout.as_millis() as u64,

@@ -194,6 +194,9 @@ struct RunArgs {
     /// GPU model or family, e.g. A100.
     #[arg(long, value_name = "MODEL")]
     gpu_model: Option<String>,
+    /// A MIG slice instead of a whole GPU, e.g. 1g.18gb (see `gpunode offers`).
+    #[arg(long, value_name = "PROFILE")]
+    gpu_slice: Option<String>,
     /// CPU cores to lease.
     #[arg(long, default_value_t = 1)]
     cpus: u32,
@@ -281,6 +284,9 @@ struct LeaseRequestArgs {
     /// GPU model or family, e.g. A100.
     #[arg(long, value_name = "MODEL")]
     gpu_model: Option<String>,
+    /// A MIG slice instead of a whole GPU, e.g. 1g.18gb (see `gpunode offers`).
+    #[arg(long, value_name = "PROFILE")]
+    gpu_slice: Option<String>,
     /// Least memory per GPU, e.g. 24G.
     #[arg(long, value_name = "SIZE")]
     min_gpu_mem: Option<String>,
@@ -392,6 +398,9 @@ struct OffersArgs {
     /// GPU model or family, e.g. A100, H100, RTX4090.
     #[arg(long, value_name = "MODEL")]
     gpu_model: Option<String>,
+    /// A MIG slice instead of a whole GPU, e.g. 1g.18gb (see `gpunode offers`).
+    #[arg(long, value_name = "PROFILE")]
+    gpu_slice: Option<String>,
     /// Least memory per GPU, e.g. 40G.
     #[arg(long, value_name = "SIZE")]
     min_gpu_mem: Option<String>,

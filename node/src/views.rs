@@ -198,6 +198,9 @@ pub struct LeaseSpec {
     pub gpus: u32,
     /// GPU model or family.
     pub gpu_model: Option<String>,
+    /// A MIG slice profile (`1g.18gb`) instead of whole GPUs.
+    #[serde(default)]
+    pub gpu_slice: Option<String>,
     /// Least memory per GPU, bytes.
     pub min_gpu_mem_bytes: Option<u64>,
     /// CPU cores.

@@ -12,7 +12,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::encoding::{self, DecodeError};
-use crate::gpu::{model_family, GpuState};
+use crate::gpu::{mig_profile, model_family, GpuState};
 use crate::signing::{self, SignatureError};
 use crate::time::{UnixMillis, MAX_CLOCK_SKEW_MS};
 use crate::{Keypair, PeerId};
@@ -180,7 +180,10 @@ impl Advert {
             }
         }
         let wanted = filter.gpus.unwrap_or(
-            if filter.gpu_model.is_some() || filter.min_gpu_mem_bytes.is_some() {
+            if filter.gpu_model.is_some()
+                || filter.gpu_slice.is_some()
+                || filter.min_gpu_mem_bytes.is_some()
+            {
                 1
             } else {
                 0
@@ -200,6 +203,10 @@ impl Advert {
 pub struct OfferFilter {
     /// GPU model or family (`A100`, `RTX4090`).
     pub gpu_model: Option<String>,
+    /// A MIG slice profile (`1g.18gb`): only MIG instances of it match; without one,
+    /// only whole GPUs do.
+    #[serde(default)]
+    pub gpu_slice: Option<String>,
     /// Least memory per GPU in bytes.
     pub min_gpu_mem_bytes: Option<u64>,
     /// Least number of matching GPUs (1 when a model or memory is asked for, else 0).
@@ -211,6 +218,11 @@ pub struct OfferFilter {
 impl OfferFilter {
     /// Whether one GPU satisfies the model and memory parts of the filter.
     pub fn gpu_matches(&self, model: &str, memory_bytes: u64) -> bool {
+        match (&self.gpu_slice, mig_profile(model)) {
+            (Some(want), Some(have)) if have.eq_ignore_ascii_case(want.trim()) => {}
+            (None, None) => {}
+            _ => return false,
+        }
         if let Some(want) = &self.gpu_model {
             let family_match = model_family(model) == model_family(want);
             let name_match = model
@@ -316,6 +328,20 @@ pub fn verify_advert(
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn slices_match_only_slice_requests_and_whole_gpus_only_whole_requests() {
+        let whole = OfferFilter::default();
+        let slice = OfferFilter {
+            gpu_slice: Some("1g.18gb".into()),
+            ..OfferFilter::default()
+        };
+        assert!(whole.gpu_matches("NVIDIA H200", 141 << 30));
+        assert!(!whole.gpu_matches("NVIDIA H200 MIG 1g.18gb", 18 << 30));
+        assert!(slice.gpu_matches("NVIDIA H200 MIG 1g.18gb", 18 << 30));
+        assert!(!slice.gpu_matches("NVIDIA H200 MIG 2g.35gb", 35 << 30));
+        assert!(!slice.gpu_matches("NVIDIA H200", 141 << 30));
+    }
+
     use super::*;
 
     fn sample(key: &Keypair, seq: u64, now: UnixMillis) -> Advert {
@@ -435,6 +461,7 @@ mod tests {
         });
         let f = |m: Option<&str>, mem: Option<u64>, n: Option<u32>| OfferFilter {
             gpu_model: m.map(str::to_string),
+            gpu_slice: None,
             min_gpu_mem_bytes: mem,
             gpus: n,
             backend: None,

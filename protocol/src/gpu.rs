@@ -74,6 +74,13 @@ pub struct GpuInfo {
     pub simulated: bool,
 }
 
+/// The MIG profile of a MIG instance's name (`NVIDIA H200 MIG 1g.18gb` → `1g.18gb`);
+/// `None` for a whole GPU.
+pub fn mig_profile(name: &str) -> Option<&str> {
+    let at = name.find(" MIG ")?;
+    Some(name[at + 5..].trim()).filter(|p| !p.is_empty())
+}
+
 /// The family a GPU product name belongs to, used for matching and capability keys:
 /// `NVIDIA A100-SXM4-80GB` and `A100-80GB` are both `A100`, `NVIDIA GeForce RTX 4090` is
 /// `RTX4090`, `Tesla T4` is `T4`.
@@ -104,5 +111,11 @@ mod tests {
         assert_eq!(model_family("Tesla T4"), "T4");
         assert_eq!(model_family("NVIDIA GeForce RTX 4090"), "RTX4090");
         assert_eq!(model_family("NVIDIA H200"), "H200");
+        assert_eq!(model_family("NVIDIA H200 MIG 1g.18gb"), "H200");
+        assert_eq!(
+            super::mig_profile("NVIDIA H200 MIG 1g.18gb"),
+            Some("1g.18gb")
+        );
+        assert_eq!(super::mig_profile("NVIDIA H200"), None);
     }
 }

@@ -64,6 +64,8 @@ pub struct Requirements {
     pub gpus: u32,
     /// GPU model or family.
     pub gpu_model: Option<String>,
+    /// A MIG slice profile (`1g.18gb`) instead of whole GPUs.
+    pub gpu_slice: Option<String>,
     /// Least memory per GPU, bytes.
     pub min_gpu_mem_bytes: Option<u64>,
     /// CPU cores.

@@ -26,8 +26,9 @@ use crate::time::UnixMillis;
 
 /// Domain tag of receipt signatures (provider's and requester's).
 pub const RECEIPT_SIGNING_TAG: &[u8] = b"gpunode/receipt/v1\0";
-/// Version of the receipt format.
-pub const RECEIPT_VERSION: u16 = 1;
+/// Version of the receipt format: 2 added `peak_gpu_memory_bytes`. Receipts of
+/// version 1 stay readable and verifiable (see [`UsageReceiptV1`]).
+pub const RECEIPT_VERSION: u16 = 2;
 /// Most claims in one settlement message.
 pub const MAX_CLAIMS_PER_MESSAGE: usize = 256;
 /// Largest settlement message.
@@ -75,6 +76,105 @@ pub struct UsageReceipt {
     pub amount_millicredits: u64,
     /// When the provider wrote it.
     pub issued_at_ms: UnixMillis,
+    /// Most GPU memory the lease's jobs held at once, bytes, as the provider measured it
+    /// (0 when nothing was measured).
+    pub peak_gpu_memory_bytes: u64,
+}
+
+/// A receipt of format version 1, as ledgers written before version 2 hold it: the same
+/// fields without `peak_gpu_memory_bytes`. Its signatures cover these bytes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UsageReceiptV1 {
+    version: u16,
+    lease_id: LeaseId,
+    provider: PeerId,
+    requester: PeerId,
+    gpus: u32,
+    cpus: u32,
+    mem_bytes: u64,
+    start_ms: UnixMillis,
+    end_ms: UnixMillis,
+    billed_ms: u64,
+    gpu_ms: u64,
+    cpu_ms: u64,
+    jobs: u32,
+    exit_status: String,
+    output_digest: Digest,
+    price_per_gpu_hour_millicredits: u64,
+    amount_millicredits: u64,
+    issued_at_ms: UnixMillis,
+}
+
+impl From<UsageReceiptV1> for UsageReceipt {
+    fn from(r: UsageReceiptV1) -> UsageReceipt {
+        UsageReceipt {
+            version: r.version,
+            lease_id: r.lease_id,
+            provider: r.provider,
+            requester: r.requester,
+            gpus: r.gpus,
+            cpus: r.cpus,
+            mem_bytes: r.mem_bytes,
+            start_ms: r.start_ms,
+            end_ms: r.end_ms,
+            billed_ms: r.billed_ms,
+            gpu_ms: r.gpu_ms,
+            cpu_ms: r.cpu_ms,
+            jobs: r.jobs,
+            exit_status: r.exit_status,
+            output_digest: r.output_digest,
+            price_per_gpu_hour_millicredits: r.price_per_gpu_hour_millicredits,
+            amount_millicredits: r.amount_millicredits,
+            issued_at_ms: r.issued_at_ms,
+            peak_gpu_memory_bytes: 0,
+        }
+    }
+}
+
+impl From<&UsageReceipt> for UsageReceiptV1 {
+    fn from(r: &UsageReceipt) -> UsageReceiptV1 {
+        UsageReceiptV1 {
+            version: r.version,
+            lease_id: r.lease_id,
+            provider: r.provider,
+            requester: r.requester,
+            gpus: r.gpus,
+            cpus: r.cpus,
+            mem_bytes: r.mem_bytes,
+            start_ms: r.start_ms,
+            end_ms: r.end_ms,
+            billed_ms: r.billed_ms,
+            gpu_ms: r.gpu_ms,
+            cpu_ms: r.cpu_ms,
+            jobs: r.jobs,
+            exit_status: r.exit_status.clone(),
+            output_digest: r.output_digest,
+            price_per_gpu_hour_millicredits: r.price_per_gpu_hour_millicredits,
+            amount_millicredits: r.amount_millicredits,
+            issued_at_ms: r.issued_at_ms,
+        }
+    }
+}
+
+/// A settled receipt of format version 1, as stored by ledgers before version 2.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SettledReceiptV1 {
+    /// The receipt.
+    pub receipt: UsageReceiptV1,
+    /// The provider's signature.
+    pub provider_sig: Vec<u8>,
+    /// The requester's countersignature.
+    pub requester_sig: Vec<u8>,
+}
+
+impl From<SettledReceiptV1> for SettledReceipt {
+    fn from(s: SettledReceiptV1) -> SettledReceipt {
+        SettledReceipt {
+            receipt: s.receipt.into(),
+            provider_sig: s.provider_sig,
+            requester_sig: s.requester_sig,
+        }
+    }
 }
 
 /// The amount for `billed_ms` at `price` per GPU-hour for `gpus` GPUs (a lease without
@@ -89,9 +189,13 @@ pub fn amount_for(price_per_gpu_hour_millicredits: u64, gpus: u32, billed_ms: u6
 }
 
 impl UsageReceipt {
-    /// The bytes both parties sign.
+    /// The bytes both parties sign (a version 1 receipt's own format for version 1).
     pub fn canonical_bytes(&self) -> Vec<u8> {
-        encoding::encode(self)
+        if self.version == 1 {
+            encoding::encode(&UsageReceiptV1::from(self))
+        } else {
+            encoding::encode(self)
+        }
     }
 
     /// Signs the receipt with `key` (provider or requester).
@@ -268,6 +372,7 @@ mod tests {
             price_per_gpu_hour_millicredits: 3_600,
             amount_millicredits: amount_for(3_600, 1, 30_000),
             issued_at_ms: 61_000,
+            peak_gpu_memory_bytes: 0,
         }
     }
 

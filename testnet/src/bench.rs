@@ -98,6 +98,7 @@ pub async fn discovery(n: usize, lookups: usize) -> Result<DiscoveryReport> {
     let client = net.client().await?;
     let filter = |m: usize| OfferFilter {
         gpu_model: Some(BENCH_MODELS[m].to_string()),
+        gpu_slice: None,
         ..OfferFilter::default()
     };
     for (m, want) in expected.iter().enumerate() {
@@ -205,6 +206,7 @@ pub async fn lease(
         peer: Some(provider),
         gpus: 0,
         gpu_model: None,
+        gpu_slice: None,
         min_gpu_mem_bytes: None,
         cpus: 1,
         mem_bytes: 1 << 20,

@@ -26,6 +26,7 @@ pub fn bare_lease(provider: &str, duration_ms: u64) -> LeaseSpec {
         peer: Some(provider.to_string()),
         gpus: 0,
         gpu_model: None,
+        gpu_slice: None,
         min_gpu_mem_bytes: None,
         cpus: 0,
         mem_bytes: 0,
@@ -279,6 +280,7 @@ fn receipt(me: &Keypair, peers: &[Keypair], i: u64) -> SettledReceipt {
         price_per_gpu_hour_millicredits: 1_000,
         amount_millicredits: amount_for(1_000, 1, billed_ms),
         issued_at_ms: 1_700_000_000_000 + i * 100 + billed_ms,
+        peak_gpu_memory_bytes: 0,
     };
     SettledReceipt {
         provider_sig: receipt.sign(provider).unwrap_or_default(),

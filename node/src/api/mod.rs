@@ -54,6 +54,8 @@ pub enum ApiError {
 pub struct OffersQuery {
     /// GPU model or family.
     pub gpu_model: Option<String>,
+    /// MIG slice profile.
+    pub gpu_slice: Option<String>,
     /// Least memory per GPU, bytes.
     pub min_gpu_mem: Option<u64>,
     /// Least number of matching GPUs.
@@ -66,6 +68,7 @@ impl From<OffersQuery> for OfferFilter {
     fn from(q: OffersQuery) -> Self {
         OfferFilter {
             gpu_model: q.gpu_model,
+            gpu_slice: q.gpu_slice,
             min_gpu_mem_bytes: q.min_gpu_mem,
             gpus: q.gpus,
             backend: q.backend,

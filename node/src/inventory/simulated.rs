@@ -29,8 +29,26 @@ pub struct SimulatedGpus {
     gpus: Arc<Mutex<Vec<SimGpu>>>,
 }
 
+/// `3x2g.20gb` → (3, "2g.20gb", 20 GiB): MIG slices of one simulated GPU.
+fn parse_mig(text: &str) -> Result<(u32, String, u64), String> {
+    let bad = || format!("'{text}' is not a MIG split like 3x2g.20gb");
+    let (n, profile) = text.split_once(['x', 'X']).ok_or_else(bad)?;
+    let n: u32 = n.parse().map_err(|_| bad())?;
+    let mem = profile
+        .split_once('.')
+        .and_then(|(_, m)| gpunode_protocol::units::parse_bytes(m).ok())
+        .filter(|m| *m >= 1 << 30)
+        .ok_or_else(bad)?;
+    if n == 0 || n > 7 {
+        return Err(format!("'{text}': a GPU has 1 to 7 MIG slices"));
+    }
+    Ok((n, profile.to_string(), mem))
+}
+
 impl SimulatedGpus {
-    /// Parses a spec into (count, model, memory bytes) entries.
+    /// Parses a spec into (count, model, memory bytes) entries. A model may end in
+    /// `@NxPROFILE` (`A100-80GB@3x2g.20gb`): that GPU runs in MIG mode, split into N
+    /// slices of the profile, each a leasable unit of its own.
     pub fn parse_spec(spec: &str) -> Result<Vec<(u32, String, u64)>, SpecError> {
         let fail = |problem: String| SpecError {
             spec: spec.to_string(),
@@ -49,11 +67,23 @@ impl SimulatedGpus {
             if count == 0 || count > 64 {
                 return Err(fail(format!("count in '{part}' must be 1 to 64")));
             }
-            let mem = model
+            let (whole, mig) = match model.split_once('@') {
+                Some((w, m)) => (w, Some(m)),
+                None => (model, None),
+            };
+            let mem = whole
                 .rsplit_once('-')
                 .and_then(|(_, m)| gpunode_protocol::units::parse_bytes(m).ok())
                 .filter(|m| *m >= 1 << 30)
-                .ok_or_else(|| fail(format!("'{model}' has no memory size such as -80GB")))?;
+                .ok_or_else(|| fail(format!("'{whole}' has no memory size such as -80GB")))?;
+            if let Some(mig) = mig {
+                let (n, _, slice_mem) = parse_mig(mig).map_err(fail)?;
+                if slice_mem.saturating_mul(n as u64) > mem {
+                    return Err(fail(format!(
+                        "{n} slices of {mig} need more memory than {whole} has"
+                    )));
+                }
+            }
             out.push((count, model.to_string(), mem));
         }
         if out.is_empty() {
@@ -66,26 +96,53 @@ impl SimulatedGpus {
     pub fn from_spec(spec: &str, seed: &str) -> Result<SimulatedGpus, SpecError> {
         let mut gpus = Vec::new();
         let short: String = seed.chars().rev().take(8).collect();
+        let mut device = 0u32;
         for (count, model, mem) in SimulatedGpus::parse_spec(spec)? {
             for _ in 0..count {
-                let index = gpus.len() as u32;
-                gpus.push(SimGpu {
-                    info: GpuInfo {
-                        index,
-                        uuid: format!("GPU-sim-{short}-{index}"),
-                        name: model.clone(),
-                        memory_total_bytes: mem,
-                        memory_used_bytes: 0,
-                        utilization_percent: 0,
-                        mig_enabled: Some(false),
-                        compute_capability: None,
-                        temperature_c: Some(35),
-                        ecc_uncorrected: Some(0),
-                        processes: Vec::new(),
-                        state: GpuState::Idle,
-                        simulated: true,
-                    },
+                let index = device;
+                device += 1;
+                let (whole, slices) = match model.split_once('@') {
+                    Some((w, m)) => {
+                        let (n, profile, slice_mem) =
+                            parse_mig(m).map_err(|problem| SpecError {
+                                spec: spec.to_string(),
+                                problem,
+                            })?;
+                        let units = (0..n)
+                            .map(|i| {
+                                (
+                                    format!("MIG-sim-{short}-{index}-{i}"),
+                                    format!("{w} MIG {profile}"),
+                                    slice_mem,
+                                )
+                            })
+                            .collect();
+                        (w.to_string(), Some(units))
+                    }
+                    None => (model.clone(), None),
+                };
+                let units: Vec<(String, String, u64)> = slices.clone().unwrap_or_else(|| {
+                    vec![(format!("GPU-sim-{short}-{index}"), whole.clone(), mem)]
                 });
+                for (uuid, name, memory) in units {
+                    gpus.push(SimGpu {
+                        info: GpuInfo {
+                            index,
+                            uuid,
+                            name,
+                            memory_total_bytes: memory,
+                            memory_used_bytes: 0,
+                            utilization_percent: 0,
+                            mig_enabled: Some(slices.is_some()),
+                            compute_capability: None,
+                            temperature_c: Some(35),
+                            ecc_uncorrected: Some(0),
+                            processes: Vec::new(),
+                            state: GpuState::Idle,
+                            simulated: true,
+                        },
+                    });
+                }
             }
         }
         Ok(SimulatedGpus {
@@ -199,6 +256,40 @@ mod tests {
         );
         for bad in ["", "2xA100", "0xA100-80GB", "2xA100-1K", "99xA100-80GB"] {
             assert!(SimulatedGpus::parse_spec(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn a_mig_gpu_is_split_into_slices_behind_its_device() {
+        let sim =
+            SimulatedGpus::from_spec("1xA100-80GB@3x2g.20gb,1xT4-16GB", "peer").expect("spec");
+        let snap = sim.snapshot().expect("snapshot");
+        let units: Vec<(u32, &str, u64)> = snap
+            .gpus
+            .iter()
+            .map(|g| (g.index, g.name.as_str(), g.memory_total_bytes))
+            .collect();
+        assert_eq!(
+            units,
+            vec![
+                (0, "A100-80GB MIG 2g.20gb", 20 << 30),
+                (0, "A100-80GB MIG 2g.20gb", 20 << 30),
+                (0, "A100-80GB MIG 2g.20gb", 20 << 30),
+                (1, "T4-16GB", 16 << 30),
+            ]
+        );
+        assert!(snap.gpus[0].uuid.starts_with("MIG-sim-"));
+        assert_eq!(snap.gpus[0].mig_enabled, Some(true));
+        for bad in [
+            "1xA100-80GB@5x2g.20gb",
+            "1xA100-80GB@2g.20gb",
+            "1xA100-80GB@9x1g.5gb",
+        ] {
+            let err = SimulatedGpus::parse_spec(bad).expect_err(bad).to_string();
+            assert!(
+                err.contains("MIG") || err.contains("memory"),
+                "{bad}: {err}"
+            );
         }
     }
 

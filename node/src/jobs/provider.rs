@@ -521,7 +521,9 @@ impl JobService {
             g
         });
         if let Some(gpu) = gpu_use.filter(|_| control.root_pid_known()) {
-            accounts.metered.add_gpu_use(submit.lease_id, gpu.gpu_ms);
+            accounts
+                .metered
+                .add_gpu_use(submit.lease_id, gpu.gpu_ms, gpu.peak_memory_bytes);
         }
         drop(usage_recorded);
         let report = JobReport {

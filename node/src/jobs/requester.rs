@@ -83,6 +83,9 @@ pub struct JobRequest {
     /// GPU model or family.
     #[serde(default)]
     pub gpu_model: Option<String>,
+    /// A MIG slice profile (`1g.18gb`) instead of whole GPUs.
+    #[serde(default)]
+    pub gpu_slice: Option<String>,
     /// CPU cores to lease.
     pub cpus: u32,
     /// RAM to lease (also the task's memory limit), bytes.
@@ -356,6 +359,7 @@ impl NodeHandle {
                 peer: req.peer.clone(),
                 gpus: req.gpus,
                 gpu_model: req.gpu_model.clone(),
+                gpu_slice: req.gpu_slice.clone(),
                 min_gpu_mem_bytes: None,
                 cpus: req.cpus,
                 mem_bytes: req.mem_bytes,

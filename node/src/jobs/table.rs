@@ -322,6 +322,7 @@ mod tests {
             env: vec![],
             gpus: 0,
             gpu_model: None,
+            gpu_slice: None,
             cpus: 1,
             mem_bytes: 0,
             timeout_ms: 1000,

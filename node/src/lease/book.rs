@@ -567,6 +567,7 @@ impl LeaseBook {
         let committed = &self.totals.gpus;
         let filter = OfferFilter {
             gpu_model: r.gpu_model.clone(),
+            gpu_slice: r.gpu_slice.clone(),
             min_gpu_mem_bytes: r.min_gpu_mem_bytes,
             gpus: None,
             backend: None,
@@ -594,6 +595,20 @@ impl LeaseBook {
                     format!("; largest free is {}", format_bytes(l))
                 }
                 _ => format!("; {} of {} GPUs free", free.len(), self.capacity.gpus.len()),
+            };
+            let mut slices: Vec<&str> = free
+                .iter()
+                .filter_map(|g| gpunode_protocol::gpu::mig_profile(&g.model))
+                .collect();
+            slices.sort();
+            slices.dedup();
+            let hint = if slices.is_empty() {
+                hint
+            } else {
+                format!(
+                    "{hint}; free MIG slices: {} (ask with --gpu-slice)",
+                    slices.join(", ")
+                )
             };
             let need = if r.gpus == 1 {
                 format!("no {what}")

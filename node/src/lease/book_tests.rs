@@ -70,6 +70,7 @@ impl Fixture {
             requirements: Requirements {
                 gpus,
                 gpu_model: model.map(str::to_string),
+                gpu_slice: None,
                 min_gpu_mem_bytes: None,
                 cpus: 2,
                 mem_bytes: 4 << 30,
@@ -614,7 +615,7 @@ proptest! {
                         requester: k.public().to_peer_id(),
                         requester_key: k.public().encode_protobuf(),
                         nonce,
-                        requirements: Requirements { gpus, gpu_model: None, min_gpu_mem_bytes: None, cpus, mem_bytes: (cpus as u64) << 30, backend: "wasm".into(), kind: Default::default() },
+                        requirements: Requirements { gpus, gpu_model: None, gpu_slice: None, min_gpu_mem_bytes: None, cpus, mem_bytes: (cpus as u64) << 30, backend: "wasm".into(), kind: Default::default() },
                         duration_ms: 60_000,
                         max_price_per_gpu_hour_millicredits: None,
                         sent_at_ms: now,

@@ -127,6 +127,7 @@ impl NodeHandle {
             None => {
                 let filter = OfferFilter {
                     gpu_model: spec.gpu_model.clone(),
+                    gpu_slice: spec.gpu_slice.clone(),
                     min_gpu_mem_bytes: spec.min_gpu_mem_bytes,
                     gpus: Some(spec.gpus),
                     backend: Some(spec.backend.clone()),
@@ -209,6 +210,7 @@ impl NodeHandle {
             requirements: Requirements {
                 gpus: spec.gpus,
                 gpu_model: spec.gpu_model.clone(),
+                gpu_slice: spec.gpu_slice.clone(),
                 min_gpu_mem_bytes: spec.min_gpu_mem_bytes,
                 cpus: spec.cpus,
                 mem_bytes: spec.mem_bytes,
@@ -395,6 +397,9 @@ fn describe(spec: &LeaseSpec) -> String {
     if let Some(m) = &spec.gpu_model {
         s.push_str(&format!(" of model {m}"));
     }
+    if let Some(slice) = &spec.gpu_slice {
+        s.push_str(&format!(" as MIG slice {slice}"));
+    }
     if let Some(mem) = spec.min_gpu_mem_bytes {
         s.push_str(&format!(
             " with {}",
@@ -434,6 +439,7 @@ pub fn check_offer(
     }
     let filter = OfferFilter {
         gpu_model: r.gpu_model.clone(),
+        gpu_slice: r.gpu_slice.clone(),
         min_gpu_mem_bytes: r.min_gpu_mem_bytes,
         gpus: None,
         backend: None,
@@ -521,6 +527,7 @@ mod tests {
             requirements: Requirements {
                 gpus: 1,
                 gpu_model: Some("A100".into()),
+                gpu_slice: None,
                 min_gpu_mem_bytes: Some(40 << 30),
                 cpus: 2,
                 mem_bytes: 1 << 30,

@@ -9,7 +9,7 @@
 use std::collections::HashMap;
 
 use gpunode_protocol::encoding;
-use gpunode_protocol::receipt::{Digest, SettledReceipt, RECEIPT_SIGNING_TAG};
+use gpunode_protocol::receipt::{Digest, SettledReceipt, SettledReceiptV1, RECEIPT_SIGNING_TAG};
 use gpunode_protocol::signing::{self, BatchItem};
 use gpunode_protocol::time::UnixMillis;
 use libp2p::identity::Keypair;
@@ -38,7 +38,37 @@ pub struct Entry {
     pub receipt: SettledReceipt,
 }
 
+/// An entry as ledgers stored it before receipt format 2.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EntryV1 {
+    /// Position, from 1.
+    pub seq: u64,
+    /// Hash of the entry before.
+    pub prev: Digest,
+    /// When it was written.
+    pub recorded_ms: UnixMillis,
+    /// The receipt (format 1) with both signatures.
+    pub receipt: SettledReceiptV1,
+}
+
 impl Entry {
+    /// Decodes a stored entry, whichever receipt format it holds (a format-1 entry keeps
+    /// its version, so its signatures still check against its own bytes).
+    pub fn decode(bytes: &[u8]) -> Result<Entry, encoding::DecodeError> {
+        match encoding::decode::<Entry>(bytes, MAX_ENTRY_BYTES) {
+            Ok(e) if e.receipt.receipt.version != 1 => Ok(e),
+            current => match encoding::decode::<EntryV1>(bytes, MAX_ENTRY_BYTES) {
+                Ok(old) => Ok(Entry {
+                    seq: old.seq,
+                    prev: old.prev,
+                    recorded_ms: old.recorded_ms,
+                    receipt: old.receipt.into(),
+                }),
+                Err(_) => current,
+            },
+        }
+    }
+
     /// The entry's hash (what the next entry holds).
     pub fn hash(bytes: &[u8]) -> Digest {
         let mut h = blake3::Hasher::new();
@@ -340,8 +370,7 @@ fn decode_part(part: &[RawEntry]) -> (Vec<Decoded>, Option<(usize, String)>) {
                     .get(1..9)
                     .and_then(|b| <[u8; 8]>::try_from(b).ok())
                     .map(u64::from_be_bytes),
-                entry: encoding::decode::<Entry>(value, MAX_ENTRY_BYTES)
-                    .map_err(|e| format!("entry does not decode: {e}")),
+                entry: Entry::decode(value).map_err(|e| format!("entry does not decode: {e}")),
                 hash: Entry::hash(value),
             },
             Err(reason) => Decoded {

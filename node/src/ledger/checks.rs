@@ -47,7 +47,8 @@ pub fn check_claim_with(
     signature_checked: bool,
 ) -> Result<(), ReceiptRejection> {
     let r = &claim.receipt;
-    if r.version != RECEIPT_VERSION {
+    // Format 1 claims may still wait at providers that upgraded.
+    if r.version != RECEIPT_VERSION && r.version != 1 {
         return Err(refuse(
             Code::Invalid,
             format!("receipt version {} is not supported", r.version),
@@ -108,6 +109,16 @@ pub fn check_claim_with(
             format!(
                 "the receipt bills {} ms, more than the {window} ms it covers",
                 r.billed_ms
+            ),
+        ));
+    }
+    let leased_gpu_memory: u64 = t.gpus.iter().map(|g| g.memory_bytes).sum();
+    if r.peak_gpu_memory_bytes > leased_gpu_memory {
+        return Err(refuse(
+            Code::Inflated,
+            format!(
+                "the receipt's peak GPU memory ({} bytes) is more than the leased GPUs have ({leased_gpu_memory})",
+                r.peak_gpu_memory_bytes
             ),
         ));
     }

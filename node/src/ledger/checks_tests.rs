@@ -50,6 +50,7 @@ fn setup() -> Setup {
         last_status: "exited 0".into(),
         digests: vec![[9; 32]],
         measured_gpu_ms: None,
+        peak_gpu_memory_bytes: 0,
     };
     Setup {
         provider,
@@ -80,6 +81,7 @@ fn honest(s: &Setup) -> UsageReceipt {
         price_per_gpu_hour_millicredits: t.price_per_gpu_hour_millicredits,
         amount_millicredits: amount_for(t.price_per_gpu_hour_millicredits, 1, 10_000),
         issued_at_ms: 200_000,
+        peak_gpu_memory_bytes: 0,
     }
 }
 

@@ -27,6 +27,7 @@ pub(crate) fn settled(
         price_per_gpu_hour_millicredits: 3_600_000,
         amount_millicredits: amount_for(3_600_000, 1, billed_ms),
         issued_at_ms: 1_000 + billed_ms,
+        peak_gpu_memory_bytes: 0,
     };
     SettledReceipt {
         provider_sig: receipt.sign(provider).expect("sign"),
@@ -131,7 +132,7 @@ async fn same_receipt_twice_is_one_entry_and_another_for_the_lease_is_a_duplicat
 fn tamper(store: &Store, seq: u64, edit: impl FnOnce(&mut Entry)) {
     let key = entry_key(seq);
     let bytes = store.get(TREE, &key).expect("get").expect("entry");
-    let mut e: Entry = encoding::decode(&bytes, MAX_ENTRY_BYTES).expect("decode");
+    let mut e = Entry::decode(&bytes).expect("decode");
     edit(&mut e);
     store.put(TREE, &key, &encoding::encode(&e)).expect("put");
 }
@@ -187,4 +188,45 @@ async fn verify_names_the_first_bad_entry() {
         .first_bad
         .expect("caught");
     assert!(bad.reason.contains("balances"), "{bad:?}");
+}
+
+#[test]
+fn entries_written_with_format_1_receipts_still_decode_and_verify() {
+    use gpunode_protocol::receipt::{SettledReceiptV1, UsageReceiptV1};
+    let (p, r) = (Keypair::generate_ed25519(), Keypair::generate_ed25519());
+    // A format-1 receipt, signed over its format-1 bytes, as an older node stored it.
+    let mut receipt = settled(&p, &r, 7, 5_000).receipt;
+    receipt.version = 1;
+    let old = SettledReceiptV1 {
+        receipt: UsageReceiptV1::from(&receipt),
+        provider_sig: receipt.sign(&p).expect("sign"),
+        requester_sig: receipt.sign(&r).expect("sign"),
+    };
+    let bytes = encoding::encode(&chain::EntryV1 {
+        seq: 1,
+        prev: [0; 32],
+        recorded_ms: 9,
+        receipt: old.clone(),
+    });
+    let entry = Entry::decode(&bytes).expect("a format-1 entry decodes");
+    assert_eq!(entry.receipt.receipt.version, 1);
+    assert_eq!(entry.receipt.receipt.peak_gpu_memory_bytes, 0);
+    assert_eq!(entry.receipt.receipt.billed_ms, 5_000);
+    let provider = p.public().to_peer_id();
+    entry
+        .receipt
+        .receipt
+        .verify(&provider, &entry.receipt.provider_sig)
+        .expect("its signature still checks");
+    // Current entries are read as they are.
+    let mut current = settled(&p, &r, 8, 5_000);
+    current.receipt.peak_gpu_memory_bytes = 3 << 30;
+    let bytes = encoding::encode(&Entry {
+        seq: 2,
+        prev: [1; 32],
+        recorded_ms: 10,
+        receipt: current.clone(),
+    });
+    assert_eq!(Entry::decode(&bytes).expect("decodes").receipt, current);
+    assert!(Entry::decode(&bytes[..bytes.len() - 1]).is_err());
 }

@@ -29,6 +29,8 @@ pub struct LeaseUsage {
     /// GPU time measured from the driver (container jobs on GPUs), ms summed over
     /// GPUs; `None` when nothing was measured and receipts count leased GPU time.
     pub measured_gpu_ms: Option<u64>,
+    /// Most GPU memory a job held at once, bytes (measured; 0 when not).
+    pub peak_gpu_memory_bytes: u64,
 }
 
 impl LeaseUsage {
@@ -92,12 +94,14 @@ impl UsageMeter {
         self.leases.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Adds GPU time measured from the driver to `lease` (container jobs on GPUs).
-    pub fn add_gpu_use(&self, lease: LeaseId, gpu_ms: u64) {
+    /// Adds GPU time and peak memory measured from the driver to `lease` (container
+    /// jobs on GPUs).
+    pub fn add_gpu_use(&self, lease: LeaseId, gpu_ms: u64, peak_memory_bytes: u64) {
         let usage = {
             let mut leases = self.lock();
             let u = leases.entry(lease).or_default();
             u.measured_gpu_ms = Some(u.measured_gpu_ms.unwrap_or(0).saturating_add(gpu_ms));
+            u.peak_gpu_memory_bytes = u.peak_gpu_memory_bytes.max(peak_memory_bytes);
             u.clone()
         };
         if let Err(e) = self

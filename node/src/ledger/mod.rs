@@ -31,7 +31,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::store::{Store, StoreError};
-use chain::{ChainHead, Entry, PeerAccount, VerifyReport, MAX_ENTRY_BYTES};
+use chain::{ChainHead, Entry, PeerAccount, VerifyReport};
 
 /// The store tree of the ledger.
 const TREE: &str = "ledger";
@@ -107,8 +107,11 @@ pub struct EntryView {
     pub amount: f64,
     /// Billed run time, seconds.
     pub billed_seconds: f64,
-    /// GPU-seconds.
+    /// GPU-seconds (measured where the provider could, else leased GPU time).
     pub gpu_seconds: f64,
+    /// Most GPU memory the lease's jobs held at once, bytes (0: not measured).
+    #[serde(default)]
+    pub peak_gpu_memory_bytes: u64,
     /// CPU-seconds.
     pub cpu_seconds: f64,
     /// Jobs under the lease.
@@ -156,6 +159,7 @@ impl EntryView {
             amount: credits(r.amount_millicredits),
             billed_seconds: r.billed_ms as f64 / 1000.0,
             gpu_seconds: r.gpu_ms as f64 / 1000.0,
+            peak_gpu_memory_bytes: r.peak_gpu_memory_bytes,
             cpu_seconds: r.cpu_ms as f64 / 1000.0,
             jobs: r.jobs,
             exit_status: r.exit_status.clone(),
@@ -287,7 +291,7 @@ impl Ledger {
     /// Entry `seq`.
     pub fn entry(&self, seq: u64) -> Result<Option<Entry>, LedgerError> {
         match self.store.get(TREE, &entry_key(seq))? {
-            Some(b) => encoding::decode(&b, MAX_ENTRY_BYTES)
+            Some(b) => Entry::decode(&b)
                 .map(Some)
                 .map_err(|e| LedgerError::Store(format!("entry {seq} does not decode: {e}"))),
             None => Ok(None),
@@ -365,7 +369,7 @@ impl Ledger {
     ) -> Result<(), LedgerError> {
         for kv in self.store.iter_prefix(TREE, b"e")? {
             let (_, v) = kv?;
-            let e: Entry = encoding::decode(&v, MAX_ENTRY_BYTES)
+            let e = Entry::decode(&v)
                 .map_err(|e| LedgerError::Store(format!("entry does not decode: {e}")))?;
             let hash = Entry::hash(&v);
             f(EntryView::new(&self.local, &e, &hash))

@@ -67,6 +67,33 @@ struct StoredClaim {
     disputed: Option<String>,
 }
 
+/// A claim as stored before receipt format 2.
+#[derive(Debug, Deserialize)]
+struct StoredClaimV1 {
+    receipt: gpunode_protocol::receipt::UsageReceiptV1,
+    provider_sig: Vec<u8>,
+    disputed: Option<String>,
+}
+
+impl StoredClaim {
+    /// Decodes a stored claim of either receipt format.
+    fn decode(bytes: &[u8]) -> Result<StoredClaim, encoding::DecodeError> {
+        match encoding::decode::<StoredClaim>(bytes, 64 * 1024) {
+            Ok(c) if c.claim.receipt.version != 1 => Ok(c),
+            current => match encoding::decode::<StoredClaimV1>(bytes, 64 * 1024) {
+                Ok(old) => Ok(StoredClaim {
+                    claim: Claim {
+                        receipt: old.receipt.into(),
+                        provider_sig: old.provider_sig,
+                    },
+                    disputed: old.disputed,
+                }),
+                Err(_) => current,
+            },
+        }
+    }
+}
+
 /// Unsettled claims, indexed for the questions asked on every lease request and every
 /// settlement round: what a peer owes, and which claims wait for an answer.
 #[derive(Debug, Default)]
@@ -178,10 +205,7 @@ impl Accounts {
         let (ledger, writer) = Ledger::open(store.clone(), keypair.clone())?;
         let mut claims = ClaimBook::default();
         for (k, v) in store.scan(CLAIMS_TREE)? {
-            if let (Ok(id), Ok(c)) = (
-                <[u8; 16]>::try_from(k.as_slice()),
-                encoding::decode::<StoredClaim>(&v, 64 * 1024),
-            ) {
+            if let (Ok(id), Ok(c)) = (<[u8; 16]>::try_from(k.as_slice()), StoredClaim::decode(&v)) {
                 claims.insert(LeaseId(id), c);
             }
         }
@@ -368,6 +392,7 @@ impl Accounts {
             price_per_gpu_hour_millicredits: t.price_per_gpu_hour_millicredits,
             amount_millicredits: amount_for(t.price_per_gpu_hour_millicredits, gpus, billed_ms),
             issued_at_ms: end_ms,
+            peak_gpu_memory_bytes: usage.peak_gpu_memory_bytes,
         }
     }
 

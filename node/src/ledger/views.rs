@@ -92,7 +92,7 @@ impl std::str::FromStr for ExportFormat {
     }
 }
 
-const CSV_HEADER: &str = "seq,recorded_ms,lease_id,direction,peer,amount,billed_seconds,gpu_seconds,cpu_seconds,jobs,exit_status,start_ms,end_ms,price_per_gpu_hour,output_digest,hash,prev";
+const CSV_HEADER: &str = "seq,recorded_ms,lease_id,direction,peer,amount,billed_seconds,gpu_seconds,peak_gpu_memory_bytes,cpu_seconds,jobs,exit_status,start_ms,end_ms,price_per_gpu_hour,output_digest,hash,prev";
 
 fn csv_field(s: &str) -> String {
     if s.contains([',', '"', '\n']) {
@@ -159,7 +159,7 @@ impl NodeHandle {
                         use std::io::Write;
                         writeln!(
                             out,
-                            "{},{},{},{},{},{:.3},{:.3},{:.3},{:.3},{},{},{},{},{:.3},{},{},{}",
+                            "{},{},{},{},{},{:.3},{:.3},{:.3},{},{:.3},{},{},{},{},{:.3},{},{},{}",
                             e.seq,
                             e.recorded_ms,
                             e.lease_id,
@@ -168,6 +168,7 @@ impl NodeHandle {
                             e.amount,
                             e.billed_seconds,
                             e.gpu_seconds,
+                            e.peak_gpu_memory_bytes,
                             e.cpu_seconds,
                             e.jobs,
                             csv_field(&e.exit_status),

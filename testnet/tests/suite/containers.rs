@@ -108,3 +108,76 @@ async fn container_jobs_see_only_their_gpu_and_settle() {
     client.shutdown().await;
     net.shutdown().await;
 }
+
+fn mig_provider(_: usize, c: &mut NodeConfig) {
+    c.backends = vec!["wasm".into(), "container".into()];
+    c.allow_host_env = true;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mig_slice_is_leased_as_a_unit_of_its_own() {
+    let mut config = TestNetConfig::new(vec![Some("1xA100-80GB@3x2g.20gb".into())]);
+    config.tweak = Some(mig_provider);
+    let net = TestNet::start(config).await.expect("start");
+    let mut client = net.client().await.expect("client");
+    TestNet::wait_for_offers(&client.handle, &OfferFilter::default(), LONG, |o| {
+        o.len() == 1
+    })
+    .await
+    .expect("offers");
+    let provider = net.nodes[0].handle.peer_id().to_string();
+    let dir = tempfile::tempdir().expect("tempdir");
+
+    let mut req = request("sh".into(), dir.path());
+    req.container = Some(ContainerRequest {
+        image: None,
+        command: vec![
+            "sh".into(),
+            "-c".into(),
+            "echo \"$CUDA_VISIBLE_DEVICES\"".into(),
+        ],
+    });
+    req.gpus = 1;
+    req.gpu_slice = Some("2g.20gb".into());
+    req.peer = Some(provider.clone());
+    let (events, end) = run_to_end(&client.handle, req, LONG).await.expect("run");
+    end.expect("the slice job runs");
+    let seen = String::from_utf8(stdout_of(&events)).expect("utf-8");
+    assert!(
+        seen.starts_with("MIG-sim-") && !seen.contains(','),
+        "{seen}"
+    );
+
+    // A whole GPU is not there, and neither is another profile.
+    let mut spec = testnet::ledger::bare_lease(&provider, 60_000);
+    spec.gpus = 1;
+    let err = client
+        .handle
+        .request_lease(spec.clone())
+        .await
+        .expect_err("no whole GPU");
+    assert!(err.to_string().contains("no GPU free"), "{err}");
+    spec.gpu_slice = Some("1g.10gb".into());
+    let err = client
+        .handle
+        .request_lease(spec.clone())
+        .await
+        .expect_err("no such slice");
+    assert!(err.to_string().contains("no GPU free"), "{err}");
+    // Three slices of the profile can be held at once, a fourth cannot.
+    spec.gpu_slice = Some("2g.20gb".into());
+    for _ in 0..3 {
+        client
+            .handle
+            .request_lease(spec.clone())
+            .await
+            .expect("a slice");
+    }
+    client
+        .handle
+        .request_lease(spec)
+        .await
+        .expect_err("all three slices are leased");
+    client.shutdown().await;
+    net.shutdown().await;
+}

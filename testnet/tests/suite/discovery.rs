@@ -37,6 +37,7 @@ fn peers_of(net: &TestNet, idx: &[usize]) -> BTreeSet<String> {
 fn filter(model: Option<&str>, mem: Option<u64>, gpus: Option<u32>) -> OfferFilter {
     OfferFilter {
         gpu_model: model.map(str::to_string),
+        gpu_slice: None,
         min_gpu_mem_bytes: mem,
         gpus,
         backend: None,

@@ -307,6 +307,7 @@ async fn hostile_job_requests_are_refused_and_the_provider_keeps_serving() {
             peer: Some(provider.to_string()),
             gpus: 0,
             gpu_model: None,
+            gpu_slice: None,
             min_gpu_mem_bytes: None,
             cpus: 1,
             mem_bytes: 1 << 20,

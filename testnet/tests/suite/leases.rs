@@ -23,6 +23,7 @@ fn spec(peer: Option<String>) -> LeaseSpec {
         peer,
         gpus: 1,
         gpu_model: Some("A100".into()),
+        gpu_slice: None,
         min_gpu_mem_bytes: None,
         cpus: 1,
         mem_bytes: 1 << 30,
@@ -50,6 +51,7 @@ async fn two_requesters_race_for_the_last_gpu() {
     );
     let a100 = OfferFilter {
         gpu_model: Some("A100".into()),
+        gpu_slice: None,
         ..OfferFilter::default()
     };
     TestNet::wait_for_offers(&alice.handle, &a100, Duration::from_secs(20), |o| {
@@ -252,6 +254,7 @@ async fn hostile_lease_messages_are_rejected_with_reasons_and_reserve_nothing() 
             requirements: Requirements {
                 gpus: 1,
                 gpu_model: None,
+                gpu_slice: None,
                 min_gpu_mem_bytes: None,
                 cpus: 1,
                 mem_bytes: 1 << 20,
@@ -372,6 +375,7 @@ async fn provider_restart_keeps_leases_and_their_gpus() {
     let client = net.client().await.expect("client");
     let t4 = OfferFilter {
         gpu_model: Some("T4".into()),
+        gpu_slice: None,
         ..OfferFilter::default()
     };
     TestNet::wait_for_offers(&client.handle, &t4, Duration::from_secs(20), |o| {

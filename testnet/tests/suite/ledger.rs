@@ -299,6 +299,7 @@ async fn hostile_receipts_are_refused_with_a_reason_and_change_nothing() {
         price_per_gpu_hour_millicredits: terms.price_per_gpu_hour_millicredits,
         amount_millicredits: 0,
         issued_at_ms: now_ms(),
+        peak_gpu_memory_bytes: 0,
     };
     let claim = |r: UsageReceipt| Claim {
         provider_sig: r.sign(&key).expect("sign"),

@@ -387,6 +387,11 @@ async fn gpu_use_is_metered_into_the_receipt_and_alerts_run_the_hook() {
         entry.gpu_seconds > 0.0 && entry.gpu_seconds < entry.billed_seconds,
         "measured GPU time is below the leased GPU time: {entry:?}"
     );
+    assert_eq!(
+        entry.peak_gpu_memory_bytes,
+        3 << 30,
+        "the signed receipt has the peak"
+    );
 
     // The temperature alert ran the hook once.
     let uuid = status.inventory.gpus[0].uuid.clone();

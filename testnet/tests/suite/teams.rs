@@ -22,6 +22,7 @@ fn lease_of(provider: &PeerId) -> LeaseSpec {
         peer: Some(provider.to_string()),
         gpus: 1,
         gpu_model: None,
+        gpu_slice: None,
         min_gpu_mem_bytes: None,
         cpus: 1,
         mem_bytes: 0,
