@@ -5,6 +5,7 @@
 mod common;
 
 mod bad_input;
+mod container;
 mod interop;
 mod lease;
 mod ledger;
