@@ -6,6 +6,7 @@
 //! `testnet` binary uses both for `up` (a demo network) and `bench` (benchmarks).
 
 pub mod bench;
+pub mod bench_container;
 pub mod bench_jobs;
 pub mod images;
 pub mod jobs;

@@ -514,7 +514,8 @@ fn watch(
     stderr_over: &AtomicBool,
     cgroup: &Option<JobCgroup>,
 ) -> Outcome {
-    let deadline = Instant::now() + spec.limits.wall_time;
+    let started = Instant::now();
+    let deadline = started + spec.limits.wall_time;
     let (mut polls, mut paused) = (0u32, false);
     let stop = |child: &mut Child, why: Outcome| {
         let _ = child.kill();
@@ -575,7 +576,8 @@ fn watch(
             }
             paused = want_pause;
         }
-        std::thread::sleep(POLL);
+        // Short jobs end within milliseconds: look often at first, then every POLL.
+        std::thread::sleep(POLL.min(Duration::from_millis(1) + started.elapsed() / 8));
     }
 }
 

@@ -111,6 +111,13 @@ enum Bench {
         #[arg(long, default_value_t = 3)]
         verify_runs: usize,
     },
+    /// Start-to-exit time of `true`: plainly, under bubblewrap on the host's system
+    /// (--host-env), and under bubblewrap on an unpacked image.
+    ContainerStart {
+        /// Runs of each.
+        #[arg(long, default_value_t = 30)]
+        runs: usize,
+    },
     /// A compute kernel natively and as a wasm task; start time of a cached module.
     SandboxOverhead {
         /// Matrix size of the kernel.
@@ -266,6 +273,14 @@ fn main() -> Result<()> {
                 .enable_all()
                 .build()?;
             for report in rt.block_on(testnet::bench_jobs::transfer(bytes, runs))? {
+                println!("{}", serde_json::to_string(&report)?);
+            }
+            Ok(())
+        }
+        Cmd::Bench {
+            which: Bench::ContainerStart { runs },
+        } => {
+            for report in testnet::bench_container::container_start(runs)? {
                 println!("{}", serde_json::to_string(&report)?);
             }
             Ok(())
