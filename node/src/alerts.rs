@@ -7,6 +7,7 @@
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
+use gpunode_protocol::gpu::mig_profile;
 use gpunode_protocol::time::UnixMillis;
 
 use crate::inventory::InventorySnapshot;
@@ -92,10 +93,12 @@ impl AlertWatch {
             };
             conditions.push(("memory", full));
             let idle = match self.rules.idle_leased_after {
+                // MIG instances report no utilization: no idle alert for them.
                 Some(after)
                     if !after.is_zero()
                         && leased.contains(&gpu.uuid)
-                        && gpu.utilization_percent == 0 =>
+                        && gpu.utilization_percent == 0
+                        && mig_profile(&gpu.name).is_none() =>
                 {
                     let since = *self.idle_since.entry(gpu.uuid.clone()).or_insert(now);
                     (now.saturating_sub(since) >= after.as_millis() as u64).then(|| {

@@ -153,7 +153,8 @@ fn host_files_outside_the_allowed_mounts_are_unreadable() {
     let job = Job::new();
     let script = format!(
         "cat {} 2>&1; cat {manifest} 2>&1; ls /root 2>&1; ls /home 2>&1; cat /etc/shadow 2>&1; \
-         (echo probe > /usr/probe) 2>&1; (echo probe > /etc/probe) 2>&1; id -u",
+         (echo probe > /usr/probe) 2>&1; (echo probe > /etc/probe) 2>&1; \
+         (echo probe > /probe) 2>&1; echo shm > /dev/shm/ok && cat /dev/shm/ok; id -u",
         secret.display()
     );
     let outcome = executor(None)
@@ -170,6 +171,12 @@ fn host_files_outside_the_allowed_mounts_are_unreadable() {
     assert!(out.contains("Permission denied"), "/etc/shadow: {out}");
     assert!(out.contains("Read-only file system"), "{out}");
     assert!(!Path::new("/usr/probe").exists() && !Path::new("/etc/probe").exists());
+    assert_eq!(
+        out.matches("Read-only file system").count(),
+        3,
+        "/usr, /etc and the root itself are read-only: {out}"
+    );
+    assert!(out.contains("shm\n"), "a private /dev/shm: {out}");
 }
 
 #[test]

@@ -39,18 +39,19 @@ impl GpuInventory for NvmlInventory {
         for index in 0..count {
             let dev = self.nvml.device_by_index(index).map_err(err)?;
             let mig_on = dev.mig_mode().is_ok_and(|m| m.current == 1);
+            let minor = dev.minor_number().ok();
             if mig_on {
                 // A GPU in MIG mode lends its instances, each a unit of its own (named
                 // `... MIG 1g.18gb`), behind the parent's device node.
                 let slots = dev.mig_device_count().unwrap_or(0);
                 for slot in 0..slots {
                     if let Ok(mig) = dev.mig_device_by_index(slot) {
-                        gpus.push(info_of(&mig, index, Some(true)).map_err(err)?);
+                        gpus.push(info_of(&mig, index, minor, Some(true)).map_err(err)?);
                     }
                 }
             } else {
                 let mig = dev.mig_mode().ok().map(|m| m.current == 1);
-                gpus.push(info_of(&dev, index, mig).map_err(err)?);
+                gpus.push(info_of(&dev, index, minor, mig).map_err(err)?);
             }
         }
         Ok(InventorySnapshot {
@@ -62,7 +63,12 @@ impl GpuInventory for NvmlInventory {
 }
 
 /// One GPU, or one MIG instance of GPU `index`, as the driver reports it.
-fn info_of(dev: &Device, index: u32, mig_enabled: Option<bool>) -> Result<GpuInfo, NvmlError> {
+fn info_of(
+    dev: &Device,
+    index: u32,
+    parent_minor: Option<u32>,
+    mig_enabled: Option<bool>,
+) -> Result<GpuInfo, NvmlError> {
     let memory = dev.memory_info()?;
     // Per-process compute use over the driver's recent samples (the newest sample of
     // each process).
@@ -95,7 +101,9 @@ fn info_of(dev: &Device, index: u32, mig_enabled: Option<bool>) -> Result<GpuInf
         GpuState::OwnerBusy
     };
     Ok(GpuInfo {
-        index,
+        // The device node (`/dev/nvidiaN`) a job is given is named by the minor number,
+        // which NVML's enumeration order need not match.
+        index: parent_minor.unwrap_or(index),
         uuid: dev.uuid()?,
         name: dev.name()?,
         memory_total_bytes: memory.total,

@@ -364,13 +364,9 @@ impl JobService {
         let priority = role_priority * 1_000_000_000_000_000 + standing;
         let permits = self.slots.acquire(admitted.cpus, priority).await;
 
-        // The lease's receipt waits until this job's usage is recorded.
-        let accounts = self.node.accounts().clone();
-        accounts.metered.job_started(submit.lease_id);
-        let usage_recorded = {
-            let (accounts, lease) = (accounts.clone(), submit.lease_id);
-            scopeguard(move || accounts.metered.job_ended(lease))
-        };
+        // The lease's receipt waits until this job's usage is recorded, however the
+        // exchange ends.
+        let mut usage = UsageGuard::new(self.node.accounts().clone(), submit.lease_id);
         let metrics = self.node.metrics().clone();
         metrics.jobs_running.inc();
         let _running = scopeguard(move || {
@@ -407,6 +403,7 @@ impl JobService {
             log_sink(tx, ProviderMsg::Stderr),
         );
         let started = Instant::now();
+        usage.started = Some(started);
         let run = match ready {
             Ready::Wasm(task) => {
                 let spec = RunSpec {
@@ -466,14 +463,31 @@ impl JobService {
                 tokio::task::spawn_blocking(move || runtime.executor.run(spec))
             }
         };
+        // A requester that resets the stream stops the job, but the time it ran is
+        // still recorded below before the error is returned.
+        let mut lost: Option<std::io::Error> = None;
         while let Some(msg) = rx.recv().await {
-            wire::write_message(w, &msg).await?;
-            if rx.is_empty() {
-                w.flush().await?;
+            if lost.is_some() {
+                continue;
+            }
+            let sent = match wire::write_message(w, &msg).await {
+                Ok(()) if rx.is_empty() => w.flush().await,
+                other => other,
+            };
+            if let Err(e) = sent {
+                cancel.cancel();
+                lost = Some(e);
             }
         }
         let outcome = run.await.map_err(std::io::Error::other)?;
-        let run_ms = started.elapsed().as_millis() as u64;
+        control.set_root_pid(0);
+        // Time the owner held the job paused (`suspend`) is not billed.
+        let run_ms =
+            (started.elapsed().as_millis() as u64).saturating_sub(control.pause.paused_ms());
+        if let Some(e) = lost {
+            usage.record(run_ms, "interrupted".into(), None, None);
+            return Err(e);
+        }
         drop(permits);
         watcher.abort();
         let outcome = match outcome {
@@ -504,15 +518,15 @@ impl JobService {
         let outputs = if stopped_unasked {
             Vec::new()
         } else {
-            list_outputs(&workdir.output()).await?
+            match list_outputs(&workdir.output()).await {
+                Ok(o) => o,
+                Err(e) => {
+                    usage.record(run_ms, "failed".into(), None, None);
+                    return Err(e);
+                }
+            }
         };
         let files: Vec<JobFile> = outputs.iter().map(|(f, _)| f.clone()).collect();
-        accounts.metered.add_job(
-            submit.lease_id,
-            run_ms,
-            outcome_status(&outcome),
-            (!stopped_unasked).then(|| job_output_digest(&files)),
-        );
         // Samples cover whole poll intervals: never more than the GPUs over the run.
         let gpu_use = control.gpu_use().map(|mut g| {
             g.gpu_ms = g
@@ -520,12 +534,12 @@ impl JobService {
                 .min(run_ms.saturating_mul(admitted.gpus.len() as u64));
             g
         });
-        if let Some(gpu) = gpu_use.filter(|_| control.root_pid_known()) {
-            accounts
-                .metered
-                .add_gpu_use(submit.lease_id, gpu.gpu_ms, gpu.peak_memory_bytes);
-        }
-        drop(usage_recorded);
+        usage.record(
+            run_ms,
+            outcome_status(&outcome),
+            (!stopped_unasked).then(|| job_output_digest(&files)),
+            gpu_use.filter(|_| matches!(submit.program, Program::Container { .. })),
+        );
         let report = JobReport {
             outcome,
             run_ms,
@@ -596,8 +610,68 @@ impl JobService {
             if std::fs::hard_link(&src, &dst).is_err() {
                 std::fs::copy(&src, &dst)?;
             }
+            // Readable by a container job's own uid (read-only for everyone).
+            std::fs::set_permissions(&dst, std::os::unix::fs::PermissionsExt::from_mode(0o444))?;
         }
         Ok(())
+    }
+}
+
+/// Records a job's usage exactly once: by [`UsageGuard::record`] on the normal path or,
+/// when the exchange ends early (stream reset, requester gone, the exchange's time
+/// limit), on drop with the time since the job started, so hanging up does not avoid
+/// the bill. Either way the lease's receipt may then be made.
+struct UsageGuard {
+    accounts: Arc<crate::Accounts>,
+    lease: gpunode_protocol::lease::LeaseId,
+    /// When the task started; nothing ran (and nothing is billed) before.
+    started: Option<Instant>,
+    done: bool,
+}
+
+impl UsageGuard {
+    fn new(accounts: Arc<crate::Accounts>, lease: gpunode_protocol::lease::LeaseId) -> UsageGuard {
+        accounts.metered.job_started(lease);
+        UsageGuard {
+            accounts,
+            lease,
+            started: None,
+            done: false,
+        }
+    }
+
+    fn record(
+        &mut self,
+        run_ms: u64,
+        status: String,
+        digest: Option<gpunode_protocol::receipt::Digest>,
+        gpu: Option<gpunode_protocol::job::GpuUse>,
+    ) {
+        if self.done {
+            return;
+        }
+        self.done = true;
+        let meter = &self.accounts.metered;
+        meter.add_job(self.lease, run_ms, status, digest);
+        if let Some(g) = gpu {
+            meter.add_gpu_use(self.lease, g.gpu_ms, g.peak_memory_bytes);
+        }
+        meter.job_ended(self.lease);
+    }
+}
+
+impl Drop for UsageGuard {
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        match self.started {
+            Some(t) => {
+                let ms = t.elapsed().as_millis() as u64;
+                self.record(ms, "interrupted".into(), None, None);
+            }
+            None => self.accounts.metered.job_ended(self.lease),
+        }
     }
 }
 
@@ -634,11 +708,21 @@ impl Drop for Unregister<'_> {
 struct JobDir(PathBuf);
 
 impl JobDir {
+    /// A fresh working directory. A container job runs as a uid of its own, so the
+    /// path down to its `input` must be traversable by others (0711: no listing) and
+    /// `input` readable; `output` is handed to the job's uid by the sandbox.
     fn create(root: &Path) -> std::io::Result<JobDir> {
+        use std::os::unix::fs::PermissionsExt;
         let dir = root.join(format!("{:016x}", rand::random::<u64>()));
         std::fs::create_dir_all(dir.join("input"))?;
         std::fs::create_dir_all(dir.join("output"))?;
-        Ok(JobDir(dir))
+        let job = JobDir(dir);
+        let set =
+            |p: &Path, mode| std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode));
+        set(root, 0o711)?;
+        set(&job.0, 0o711)?;
+        set(&job.input(), 0o755)?;
+        Ok(job)
     }
     fn input(&self) -> PathBuf {
         self.0.join("input")

@@ -113,6 +113,13 @@ pub fn check_claim_with(
         ));
     }
     let leased_gpu_memory: u64 = t.gpus.iter().map(|g| g.memory_bytes).sum();
+    // Format 1 has no peak: its signature does not cover one.
+    if r.version == 1 && r.peak_gpu_memory_bytes != 0 {
+        return Err(refuse(
+            Code::Invalid,
+            "a format-1 receipt cannot carry a peak GPU memory",
+        ));
+    }
     if r.peak_gpu_memory_bytes > leased_gpu_memory {
         return Err(refuse(
             Code::Inflated,

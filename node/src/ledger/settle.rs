@@ -392,7 +392,11 @@ impl Accounts {
             price_per_gpu_hour_millicredits: t.price_per_gpu_hour_millicredits,
             amount_millicredits: amount_for(t.price_per_gpu_hour_millicredits, gpus, billed_ms),
             issued_at_ms: end_ms,
-            peak_gpu_memory_bytes: usage.peak_gpu_memory_bytes,
+            // A job may hold more than a capped lease lends (`lend_gpu_memory`); the
+            // receipt never claims more than the leased GPUs' memory.
+            peak_gpu_memory_bytes: usage
+                .peak_gpu_memory_bytes
+                .min(t.gpus.iter().map(|g| g.memory_bytes).sum()),
         }
     }
 

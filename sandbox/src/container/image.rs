@@ -15,6 +15,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
+/// Directories every job's root needs as mount points.
+pub const MOUNT_POINTS: &[&str] = &["input", "output", "tmp", "dev", "proc", "run"];
+
 /// Why an image archive could not be used. Messages say what is wrong and what to do.
 #[derive(Debug, thiserror::Error)]
 pub enum ImageError {
@@ -114,6 +117,18 @@ impl ImageCache {
         let rootfs = tmp.0.join("rootfs");
         fs::create_dir(&rootfs).ctx(|| format!("creating {}", rootfs.display()))?;
         let config = unpack_archive(archive, &rootfs, self.max_bytes)?;
+        // Jobs run as uids of their own: the way in is traversable, the root readable,
+        // and the mount points every job needs are made once, here.
+        fs::set_permissions(&tmp.0, fs::Permissions::from_mode(0o711))
+            .ctx(|| format!("opening {}", tmp.0.display()))?;
+        fs::set_permissions(&rootfs, fs::Permissions::from_mode(0o755))
+            .ctx(|| format!("opening {}", rootfs.display()))?;
+        for dir in MOUNT_POINTS {
+            let path = rootfs.join(dir);
+            if fs::symlink_metadata(&path).is_err() {
+                fs::create_dir(&path).ctx(|| format!("creating {}", path.display()))?;
+            }
+        }
         let json = serde_json::to_vec_pretty(&config)
             .map_err(io::Error::other)
             .ctx(|| "encoding the image config".into())?;
@@ -476,7 +491,7 @@ fn write_entry(
             }
             None => fs::create_dir(&path).ctx(what)?,
         }
-        return fs::set_permissions(&path, fs::Permissions::from_mode(mode | 0o700)).ctx(what);
+        return fs::set_permissions(&path, fs::Permissions::from_mode(mode | 0o755)).ctx(what);
     }
     let link = entry
         .link_name()
@@ -550,7 +565,8 @@ fn write_entry(
         return Err(bad(format!("{} is truncated", rel.display())));
     }
     file.flush().ctx(what)?;
-    fs::set_permissions(&path, fs::Permissions::from_mode(mode | 0o400)).ctx(what)
+    // Readable by the job's own uid, whatever owner the image gave it.
+    fs::set_permissions(&path, fs::Permissions::from_mode(mode | 0o444)).ctx(what)
 }
 
 impl Budget {

@@ -15,7 +15,7 @@
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -37,8 +37,6 @@ const JOB_UIDS: u32 = 50_000;
 const HOST_ENV_DIRS: &[&str] = &[
     "usr", "etc", "opt", "bin", "sbin", "lib", "lib32", "lib64", "libx32",
 ];
-/// Mount points an image root needs (made in the unpacked root if it lacks them).
-const IMAGE_MOUNT_POINTS: &[&str] = &["input", "output", "tmp", "dev", "proc", "run"];
 /// NVIDIA device nodes every GPU job needs besides its own `nvidiaN`.
 const NVIDIA_CONTROL_NODES: &[&str] = &[
     "nvidiactl",
@@ -147,11 +145,17 @@ impl Default for ContainerLimits {
     }
 }
 
-/// Pauses and resumes a running job (the owner's `suspend` policy).
+/// Pauses and resumes a running job (the owner's `suspend` policy), and counts how long
+/// it was held paused (not billed, and added to its deadline).
 #[derive(Debug, Clone, Default)]
-pub struct PauseToken(Arc<AtomicBool>);
+pub struct PauseToken(Arc<AtomicBool>, Arc<AtomicU64>);
 
 impl PauseToken {
+    /// Milliseconds the job has spent paused so far.
+    pub fn paused_ms(&self) -> u64 {
+        self.1.load(Ordering::SeqCst)
+    }
+
     /// A token that does not pause.
     pub fn new() -> PauseToken {
         PauseToken::default()
@@ -219,13 +223,20 @@ impl ContainerExecutor {
         let command = effective_command(&spec)?;
         let job = NEXT_JOB.fetch_add(1, Ordering::Relaxed);
         let uid = (effective_uid() == 0).then(free_job_uid);
+        let _uid_held = uid.map(UidHold);
         if let Root::Image { rootfs, .. } = &spec.root {
-            for dir in IMAGE_MOUNT_POINTS {
+            // The image cache makes these; a root from elsewhere may lack them.
+            for dir in super::image::MOUNT_POINTS {
                 let path = rootfs.join(dir);
-                if std::fs::symlink_metadata(&path).is_err() {
-                    std::fs::create_dir(&path).map_err(|e| {
-                        SandboxError::Setup(format!("cannot prepare {}: {e}", path.display()))
-                    })?;
+                match std::fs::create_dir(&path) {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+                    Err(e) => {
+                        return Err(SandboxError::Setup(format!(
+                            "cannot prepare {}: {e}",
+                            path.display()
+                        )))
+                    }
                 }
             }
         }
@@ -281,13 +292,15 @@ impl ContainerExecutor {
             let l = &spec.limits;
             over_output_limits(&spec.output_dir, l.output_bytes, l.output_files)
         };
+        // A job that failed after the kernel refused it memory ran out of memory (a
+        // successful one only had its page cache trimmed).
+        let oom = !matches!(outcome, Outcome::Exited(0))
+            && cgroup.as_ref().is_some_and(JobCgroup::oom_killed);
         let outcome = match outcome {
             Outcome::Exited(_) | Outcome::Trapped(_) if over_output().is_some() => {
                 Outcome::OutputTooLarge(over_output().unwrap_or_default())
             }
-            Outcome::Exited(_) if cgroup.as_ref().is_some_and(JobCgroup::oom_killed) => {
-                Outcome::OutOfMemory
-            }
+            Outcome::Exited(_) | Outcome::Trapped(_) if oom => Outcome::OutOfMemory,
             Outcome::Exited(_) if stdout_over.load(Ordering::SeqCst) => {
                 Outcome::OutputTooLarge("stdout".into())
             }
@@ -358,7 +371,8 @@ impl ContainerExecutor {
                 Some(config.working_dir.clone()).filter(|w| w.starts_with('/'))
             }
             Root::HostEnv => {
-                cmd.args(["--tmpfs", "/"]);
+                // Only mount points live here; it is made read-only below.
+                cmd.args(["--size", "1048576", "--tmpfs", "/"]);
                 for dir in HOST_ENV_DIRS {
                     let host = Path::new("/").join(dir);
                     match std::fs::symlink_metadata(&host) {
@@ -376,10 +390,13 @@ impl ContainerExecutor {
                 None
             }
         };
+        // Every writable tmpfs is bounded by the job's memory: /tmp, /dev/shm.
+        let tmpfs_size = limits.memory_bytes.max(16 << 20).to_string();
         cmd.args(["--dev", "/dev", "--proc", "/proc"]);
+        cmd.arg("--size").arg(&tmpfs_size).args(["--tmpfs", "/tmp"]);
         cmd.arg("--size")
-            .arg(limits.memory_bytes.max(16 << 20).to_string())
-            .args(["--tmpfs", "/tmp"]);
+            .arg(&tmpfs_size)
+            .args(["--tmpfs", "/dev/shm"]);
         match &spec.input_dir {
             Some(dir) => {
                 cmd.arg("--ro-bind").arg(dir).arg("/input");
@@ -391,6 +408,9 @@ impl ContainerExecutor {
         }
         cmd.arg("--bind").arg(&spec.output_dir).arg("/output");
         self.gpu_mounts(&mut cmd, spec);
+        if matches!(spec.root, Root::HostEnv) {
+            cmd.args(["--remount-ro", "/"]);
+        }
         cmd.args(["--chdir", workdir.as_deref().unwrap_or("/output")]);
         cmd.arg("--clearenv");
         for (k, v) in job_env(spec) {
@@ -417,7 +437,7 @@ impl ContainerExecutor {
             }
         }
         if matches!(spec.root, Root::Image { .. }) && !self.config.driver_files.is_empty() {
-            cmd.args(["--tmpfs", "/run"]);
+            cmd.args(["--size", "1048576", "--tmpfs", "/run"]);
             for file in &self.config.driver_files {
                 let Some(name) = file.file_name() else {
                     continue;
@@ -515,8 +535,9 @@ fn watch(
     cgroup: &Option<JobCgroup>,
 ) -> Outcome {
     let started = Instant::now();
-    let deadline = started + spec.limits.wall_time;
+    let mut deadline = started + spec.limits.wall_time;
     let (mut polls, mut paused) = (0u32, false);
+    let mut paused_since = started;
     let stop = |child: &mut Child, why: Outcome| {
         let _ = child.kill();
         let _ = child.wait();
@@ -525,30 +546,31 @@ fn watch(
         }
         why
     };
-    loop {
+    let outcome = loop {
         match child.try_wait() {
             Ok(Some(status)) => {
                 use std::os::unix::process::ExitStatusExt;
-                return match (status.code(), status.signal()) {
+                break match (status.code(), status.signal()) {
                     (Some(code), _) => Outcome::Exited(code),
                     (None, Some(sig)) => Outcome::Trapped(format!("killed by signal {sig}")),
                     (None, None) => Outcome::Trapped("ended without a status".into()),
                 };
             }
             Ok(None) => {}
-            Err(e) => return stop(child, Outcome::Trapped(format!("lost the job: {e}"))),
+            Err(e) => break stop(child, Outcome::Trapped(format!("lost the job: {e}"))),
         }
         if spec.cancel.is_cancelled() {
-            return stop(child, Outcome::Cancelled);
+            break stop(child, Outcome::Cancelled);
         }
-        if Instant::now() >= deadline {
-            return stop(child, Outcome::TimedOut);
+        // A paused job's deadline moves on when it resumes; the lease's end still cancels it.
+        if !paused && Instant::now() >= deadline {
+            break stop(child, Outcome::TimedOut);
         }
         if stdout_over.load(Ordering::SeqCst) {
-            return stop(child, Outcome::OutputTooLarge("stdout".into()));
+            break stop(child, Outcome::OutputTooLarge("stdout".into()));
         }
         if stderr_over.load(Ordering::SeqCst) {
-            return stop(child, Outcome::OutputTooLarge("stderr".into()));
+            break stop(child, Outcome::OutputTooLarge("stderr".into()));
         }
         polls += 1;
         if polls.is_multiple_of(OUTPUT_CHECK_POLLS) {
@@ -556,7 +578,7 @@ fn watch(
             if let Some(why) =
                 over_output_limits(&spec.output_dir, limits.output_bytes, limits.output_files)
             {
-                return stop(child, Outcome::OutputTooLarge(why));
+                break stop(child, Outcome::OutputTooLarge(why));
             }
         }
         let want_pause = spec.pause.is_paused();
@@ -575,10 +597,25 @@ fn watch(
                 send(pid, signal);
             }
             paused = want_pause;
+            if paused {
+                paused_since = Instant::now();
+            } else {
+                // Paused time does not count against the job.
+                let held = paused_since.elapsed();
+                deadline += held;
+                spec.pause
+                    .1
+                    .fetch_add(held.as_millis() as u64, Ordering::SeqCst);
+            }
         }
         // Short jobs end within milliseconds: look often at first, then every POLL.
         std::thread::sleep(POLL.min(Duration::from_millis(1) + started.elapsed() / 8));
+    };
+    if paused {
+        let held = paused_since.elapsed().as_millis() as u64;
+        spec.pause.1.fetch_add(held, Ordering::SeqCst);
     }
+    outcome
 }
 
 /// Forwards a pipe to a sink up to `cap` bytes; past it, sets `over` and drains.
@@ -629,21 +666,56 @@ fn process_uids() -> Vec<u32> {
         .collect()
 }
 
-/// Processes of this uid now (for the `RLIMIT_NPROC` fallback without a job uid).
+/// Threads of this uid now (what `RLIMIT_NPROC` counts), for the fallback without a
+/// per-job uid.
 fn processes_of_this_user() -> usize {
     let uid = effective_uid();
-    process_uids().into_iter().filter(|u| *u == uid).count()
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return 0;
+    };
+    entries
+        .flatten()
+        .filter(|e| {
+            use std::os::unix::fs::MetadataExt;
+            e.file_name()
+                .to_str()
+                .is_some_and(|n| n.parse::<u32>().is_ok())
+                && e.metadata().is_ok_and(|m| m.uid() == uid)
+        })
+        .map(|e| std::fs::read_dir(e.path().join("task")).map_or(1, |tasks| tasks.count()))
+        .sum()
 }
 
-/// A per-job uid no process runs as now (so `RLIMIT_NPROC` counts this job alone),
-/// starting from a point that differs between jobs and between processes.
+/// Per-job uids handed out by this process and not yet released (a job between picking
+/// its uid and starting its first process shows no process yet).
+static HELD_UIDS: std::sync::Mutex<Vec<u32>> = std::sync::Mutex::new(Vec::new());
+
+/// Releases a held per-job uid when the job ends.
+struct UidHold(u32);
+
+impl Drop for UidHold {
+    fn drop(&mut self) {
+        HELD_UIDS
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|u| *u != self.0);
+    }
+}
+
+/// A per-job uid no process runs as now and no other job of this process holds (so
+/// `RLIMIT_NPROC` counts this job alone), starting from a point that differs between
+/// jobs and between processes.
 fn free_job_uid() -> u32 {
-    let busy: std::collections::HashSet<u32> = process_uids().into_iter().collect();
+    let mut held = HELD_UIDS.lock().unwrap_or_else(|p| p.into_inner());
+    let mut busy: std::collections::HashSet<u32> = process_uids().into_iter().collect();
+    busy.extend(held.iter().copied());
     let start = NEXT_JOB.fetch_add(1, Ordering::Relaxed) ^ (std::process::id() << 8);
-    (0..JOB_UIDS)
+    let uid = (0..JOB_UIDS)
         .map(|i| JOB_UID_BASE + start.wrapping_add(i) % JOB_UIDS)
         .find(|uid| !busy.contains(uid))
-        .unwrap_or(JOB_UID_BASE)
+        .unwrap_or(JOB_UID_BASE);
+    held.push(uid);
+    uid
 }
 
 fn find_in_path(name: &str) -> Option<PathBuf> {

@@ -203,6 +203,23 @@ async fn share_keeps_running_and_suspend_pauses_until_the_owner_leaves() {
         .map(String::from)
         .collect();
     assert_eq!(lines.len(), 40, "every line, none lost: {lines:?}");
+    // The time the owner held it paused is not billed: 40 x 50 ms of work plus start-up,
+    // not the 1.6 s or more it stood still.
+    let ledger = &net.nodes[1].handle.accounts().ledger;
+    let mut entry = None;
+    for _ in 0..300 {
+        entry = ledger.recent(1).expect("ledger").into_iter().next();
+        if entry.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let entry = entry.expect("settled");
+    assert!(
+        entry.billed_seconds > 1.5 && entry.billed_seconds < summary.wall_ms as f64 / 1000.0 - 1.0,
+        "paused time is not billed: {entry:?}, wall {} ms",
+        summary.wall_ms
+    );
     client.shutdown().await;
     net.shutdown().await;
 }

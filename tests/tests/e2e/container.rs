@@ -18,10 +18,19 @@ fn run_a_host_env_command_and_an_image_on_a_peer() {
         "backends = [\"wasm\", \"container\"]\nallow_host_env = true\n",
     )
     .expect("config");
+    // A data dir as `gpunode` makes it on first start (0700): container jobs, which run
+    // as uids of their own, must still reach their directories in it.
+    let provider_dir = tmp.path().join("p");
+    std::fs::create_dir(&provider_dir).expect("mkdir");
+    std::fs::set_permissions(
+        &provider_dir,
+        std::os::unix::fs::PermissionsExt::from_mode(0o700),
+    )
+    .expect("chmod");
     let listen = format!("/ip4/127.0.0.1/udp/{}/quic-v1", free_udp_port());
     let mut provider = ServeProcess::start(
         &bin,
-        &tmp.path().join("p"),
+        &provider_dir,
         &[
             "--listen".into(),
             listen,
