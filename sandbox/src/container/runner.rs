@@ -647,8 +647,9 @@ fn forward(
     })
 }
 
-/// The uids of the processes running now.
-fn process_uids() -> Vec<u32> {
+/// Each running process: its uid and how many threads it has.
+fn processes() -> Vec<(u32, usize)> {
+    use std::os::unix::fs::MetadataExt;
     let Ok(entries) = std::fs::read_dir("/proc") else {
         return Vec::new();
     };
@@ -660,29 +661,26 @@ fn process_uids() -> Vec<u32> {
                 .is_some_and(|n| n.parse::<u32>().is_ok())
         })
         .filter_map(|e| {
-            use std::os::unix::fs::MetadataExt;
-            e.metadata().ok().map(|m| m.uid())
+            let uid = e.metadata().ok()?.uid();
+            let threads = std::fs::read_dir(e.path().join("task")).map_or(1, |t| t.count());
+            Some((uid, threads))
         })
         .collect()
+}
+
+/// The uids of the processes running now.
+fn process_uids() -> Vec<u32> {
+    processes().into_iter().map(|(uid, _)| uid).collect()
 }
 
 /// Threads of this uid now (what `RLIMIT_NPROC` counts), for the fallback without a
 /// per-job uid.
 fn processes_of_this_user() -> usize {
     let uid = effective_uid();
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return 0;
-    };
-    entries
-        .flatten()
-        .filter(|e| {
-            use std::os::unix::fs::MetadataExt;
-            e.file_name()
-                .to_str()
-                .is_some_and(|n| n.parse::<u32>().is_ok())
-                && e.metadata().is_ok_and(|m| m.uid() == uid)
-        })
-        .map(|e| std::fs::read_dir(e.path().join("task")).map_or(1, |tasks| tasks.count()))
+    processes()
+        .into_iter()
+        .filter(|(u, _)| *u == uid)
+        .map(|(_, threads)| threads)
         .sum()
 }
 

@@ -206,15 +206,7 @@ async fn share_keeps_running_and_suspend_pauses_until_the_owner_leaves() {
     // The time the owner held it paused is not billed: 40 x 50 ms of work plus start-up,
     // not the 1.6 s or more it stood still.
     let ledger = &net.nodes[1].handle.accounts().ledger;
-    let mut entry = None;
-    for _ in 0..300 {
-        entry = ledger.recent(1).expect("ledger").into_iter().next();
-        if entry.is_some() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    let entry = entry.expect("settled");
+    let entry = first_entry(ledger).await;
     assert!(
         entry.billed_seconds > 1.5 && entry.billed_seconds < summary.wall_ms as f64 / 1000.0 - 1.0,
         "paused time is not billed: {entry:?}, wall {} ms",
@@ -222,6 +214,17 @@ async fn share_keeps_running_and_suspend_pauses_until_the_owner_leaves() {
     );
     client.shutdown().await;
     net.shutdown().await;
+}
+
+/// The ledger's newest entry, once a receipt has settled (within 30 s).
+async fn first_entry(ledger: &gpunode_node::ledger::Ledger) -> gpunode_node::ledger::EntryView {
+    for _ in 0..300 {
+        if let Some(e) = ledger.recent(1).expect("ledger").into_iter().next() {
+            return e;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("no receipt settled within 30 s")
 }
 
 /// Every event of a job for `time`.
@@ -391,15 +394,7 @@ async fn gpu_use_is_metered_into_the_receipt_and_alerts_run_the_hook() {
 
     // The receipt carries the measured GPU time, not the leased time.
     let ledger = &net.nodes[0].handle.accounts().ledger;
-    let mut entry = None;
-    for _ in 0..300 {
-        entry = ledger.recent(1).expect("ledger").into_iter().next();
-        if entry.is_some() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    let entry = entry.expect("settled");
+    let entry = first_entry(ledger).await;
     assert!(
         entry.gpu_seconds > 0.0 && entry.gpu_seconds < entry.billed_seconds,
         "measured GPU time is below the leased GPU time: {entry:?}"
