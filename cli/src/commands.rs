@@ -39,6 +39,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
         Command::Jobs(args) => crate::jobs::jobs(data_dir, args.json).await,
         Command::Logs(args) => crate::jobs::logs(data_dir, args).await,
         Command::Cancel(args) => crate::jobs::cancel(data_dir, args).await,
+        Command::Why(args) => crate::jobs::why(data_dir, args).await,
         Command::Ledger(args) => crate::ledger::ledger(data_dir, config, args).await,
         Command::Peers(args) => crate::ledger::peers(data_dir, config, args.json).await,
         Command::Team(cmd) => crate::team::team(data_dir, cmd).await,

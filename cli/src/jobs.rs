@@ -18,7 +18,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::commands::{parse_size, parse_time, print_json, url_segment, ClientNode};
 use crate::output;
-use crate::{JobArgs, LogsArgs, RunArgs};
+use crate::{JobArgs, LogsArgs, RunArgs, WhyArgs};
 
 /// Where job calls go: the daemon's API, or an in-process node.
 enum JobClient {
@@ -170,6 +170,11 @@ fn job_request(args: &RunArgs) -> Result<JobRequest> {
         retries: args.retries,
         fuel: args.fuel,
         replicas: args.replicas,
+        wait: match (args.wait, args.no_wait) {
+            (true, _) => Some(true),
+            (_, true) => Some(false),
+            _ => None,
+        },
         kind: if args.batch {
             gpunode_protocol::team::JobKind::Batch
         } else {
@@ -330,6 +335,20 @@ async fn follow(
                         "gpunode: provider {} failed ({reason}); retrying elsewhere (attempt {attempt})",
                         output::short_peer(&provider)
                     )?;
+                }
+                JobEvent::Waiting { reasons } => {
+                    writeln!(
+                        err,
+                        "gpunode: no provider can take the job now; waiting (Ctrl-C to give up):"
+                    )?;
+                    for (provider, reason) in &reasons {
+                        let who = if provider == "-" {
+                            "no provider".to_string()
+                        } else {
+                            output::short_peer(provider)
+                        };
+                        writeln!(err, "  {who}: {reason}")?;
+                    }
                 }
                 JobEvent::Finished { summary } => end = Some(End::Finished(summary)),
                 JobEvent::Failed { error } => end = Some(End::Failed(error)),
@@ -498,4 +517,134 @@ pub async fn cancel(data_dir: DataDir, args: JobArgs) -> Result<ExitCode> {
     client.cancel(&args.job).await?;
     println!("Job {} is being cancelled.", args.job);
     Ok(ExitCode::SUCCESS)
+}
+
+/// `gpunode why JOB`.
+pub async fn why(data_dir: DataDir, args: WhyArgs) -> Result<ExitCode> {
+    let api = require_daemon(&data_dir).await?;
+    let views: Vec<JobView> = api.get_json("/v1/jobs").await?;
+    let found: Vec<&JobView> = views
+        .iter()
+        .filter(|j| j.job_id.starts_with(&args.job))
+        .collect();
+    let job = match found.as_slice() {
+        [one] => *one,
+        [] => anyhow::bail!("no job {} here; `gpunode jobs` lists them", args.job),
+        _ => anyhow::bail!(
+            "'{}' starts more than one job id; give more of it",
+            args.job
+        ),
+    };
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(job)?);
+    } else {
+        print!("{}", explain(job, gpunode_protocol::time::now_ms()));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// A job's state in sentences: for a waiting job, what each provider said and what
+/// would make it run sooner.
+pub fn explain(j: &JobView, now: u64) -> String {
+    use gpunode_node::jobs::JobState;
+    let id = &j.job_id;
+    let on = |p: &Option<String>| p.as_deref().map(output::short_peer).unwrap_or_default();
+    match j.state {
+        JobState::Waiting => {
+            let Some(w) = &j.waiting else {
+                return format!("Job {id} is waiting for a provider.\n");
+            };
+            let mut s = format!(
+                "Job {id} has been waiting for a provider for {}: none can take it now.\n",
+                gpunode_protocol::units::format_age(Duration::from_millis(
+                    now.saturating_sub(w.since_ms)
+                ))
+            );
+            for (provider, reason) in &w.reasons {
+                let who = if provider == "-" {
+                    "no provider".to_string()
+                } else {
+                    output::short_peer(provider)
+                };
+                s.push_str(&format!("  {who}: {reason}\n"));
+            }
+            s.push_str(&format!(
+                "It starts as soon as one can: it asks again every few seconds. To start sooner, ask for less (fewer GPUs, another model: see `gpunode offers`), or cancel it with `gpunode cancel {id}`.\n"
+            ));
+            s
+        }
+        JobState::Leasing => format!("Job {id} is asking providers for a lease right now.\n"),
+        JobState::Uploading => format!(
+            "Job {id} has a lease on {} and is sending its files.\n",
+            on(&j.provider)
+        ),
+        JobState::Running => format!("Job {id} is running on {}.\n", on(&j.provider)),
+        JobState::Finished => format!(
+            "Job {id} ran on {} and {}.\n",
+            on(&j.provider),
+            j.summary
+                .as_ref()
+                .map_or("ended".to_string(), |s| outcome_words(&s.outcome))
+        ),
+        JobState::Failed => format!(
+            "Job {id} could not run: {}\n",
+            j.error.as_deref().unwrap_or("no reason recorded")
+        ),
+        JobState::Cancelled => format!("Job {id} was cancelled.\n"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpunode_node::jobs::{JobState, Waiting};
+
+    fn view(state: JobState) -> JobView {
+        serde_json::from_value(serde_json::json!({
+            "job_id": "a1b2c3d4e5f60708",
+            "module": "t.wasm",
+            "args": [],
+            "state": state,
+            "provider": null,
+            "lease_id": null,
+            "submitted_ms": 0,
+            "ended_ms": null,
+            "summary": null,
+            "error": null,
+            "log_bytes_dropped": 0
+        }))
+        .expect("view")
+    }
+
+    #[test]
+    fn why_names_each_providers_reason_and_what_would_help() {
+        let mut j = view(JobState::Waiting);
+        j.waiting = Some(Waiting {
+            since_ms: 1_000,
+            reasons: vec![
+                (
+                    "12D3KooWAbCdEfGhIjKlMnOpQrStUvWxYz1234567890abcdef".into(),
+                    "no GPU free; 0 of 1 GPUs free".into(),
+                ),
+                (
+                    "-".into(),
+                    "no provider offers 2 GPU(s) of model H100".into(),
+                ),
+            ],
+        });
+        let text = explain(&j, 181_000);
+        assert!(text.contains("waiting for a provider for 3m"), "{text}");
+        assert!(text.contains(": no GPU free; 0 of 1 GPUs free"), "{text}");
+        assert!(
+            text.contains("no provider: no provider offers 2 GPU(s)"),
+            "{text}"
+        );
+        assert!(text.contains("gpunode cancel a1b2c3d4e5f60708"), "{text}");
+        let mut failed = view(JobState::Failed);
+        failed.error = Some("the module is not a WASI command".into());
+        assert_eq!(
+            explain(&failed, 0),
+            "Job a1b2c3d4e5f60708 could not run: the module is not a WASI command\n"
+        );
+    }
 }

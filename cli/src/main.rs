@@ -55,6 +55,8 @@ enum Command {
     Logs(LogsArgs),
     /// Stop a running job.
     Cancel(JobArgs),
+    /// Why a job is not running (yet): what each provider said, and what would help.
+    Why(WhyArgs),
     /// Credits: balance, balance with each peer, recent entries; verify or export the
     /// hash-chained ledger.
     Ledger(LedgerArgs),
@@ -228,6 +230,13 @@ struct RunArgs {
     /// Unattended batch work (team policies may allow it only at some hours).
     #[arg(long)]
     batch: bool,
+    /// When no provider can take the job now, wait and ask again until one can
+    /// [default inside a team].
+    #[arg(long, conflicts_with = "no_wait")]
+    wait: bool,
+    /// Fail at once when no provider can take the job now [default outside a team].
+    #[arg(long)]
+    no_wait: bool,
     /// Submit to the daemon, print the job id and return.
     #[arg(long)]
     detach: bool,
@@ -237,6 +246,15 @@ struct RunArgs {
     /// Arguments passed to the task; for container jobs, the command and its arguments.
     #[arg(last = true, value_name = "ARGS")]
     args: Vec<String>,
+}
+
+#[derive(Debug, Args)]
+struct WhyArgs {
+    /// Job id (or a unique prefix).
+    job: String,
+    /// Print JSON instead of sentences.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Debug, Args)]

@@ -28,6 +28,7 @@ pub fn request(module: PathBuf, output_dir: &Path) -> JobRequest {
         gpus: 0,
         gpu_model: None,
         gpu_slice: None,
+        wait: None,
         cpus: 1,
         mem_bytes: 256 << 20,
         timeout_ms: 60_000,

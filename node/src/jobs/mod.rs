@@ -35,7 +35,7 @@ use crate::inventory::InventorySnapshot;
 use gpunode_sandbox::wasm::CancelToken;
 use libp2p::StreamProtocol;
 
-pub use requester::{ContainerRequest, JobEvent, JobRequest, JobSummary, ReplicaView};
+pub use requester::{ContainerRequest, JobEvent, JobRequest, JobSummary, ReplicaView, Waiting};
 pub use table::{JobState, JobView};
 
 /// The job stream protocol.

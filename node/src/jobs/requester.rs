@@ -40,6 +40,11 @@ const STOPPED_UNASKED: &str = "the provider stopped the job before it ended";
 /// Why an attempt ended when the provider's owner took the GPU back.
 const PREEMPTED: &str =
     "the provider's owner took the GPU back (preempted; only the time used is charged)";
+/// A waiting job asks again after this, then twice as long each time, up to
+/// [`MAX_WAIT_POLL`].
+const FIRST_WAIT_POLL: Duration = Duration::from_secs(1);
+/// The longest a waiting job goes without asking again.
+const MAX_WAIT_POLL: Duration = Duration::from_secs(10);
 /// How long a cancelled job may take to report back.
 const CANCEL_GRACE: Duration = Duration::from_secs(5);
 
@@ -110,6 +115,19 @@ pub struct JobRequest {
     /// Interactive (default) or batch work, for team policies' time windows.
     #[serde(default)]
     pub kind: gpunode_protocol::team::JobKind,
+    /// When no provider can take the job now: wait and ask again (`true`), or fail at
+    /// once (`false`). `None`: wait inside a team, fail fast outside one.
+    #[serde(default)]
+    pub wait: Option<bool>,
+}
+
+/// Why a waiting job is not running: what each provider asked said.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Waiting {
+    /// When it started waiting.
+    pub since_ms: u64,
+    /// Provider (or `-` when none offers what was asked) and its reason.
+    pub reasons: Vec<(String, String)>,
 }
 
 /// Something that happened to a job, in order.
@@ -152,6 +170,11 @@ pub enum JobEvent {
         /// The bytes.
         #[serde(with = "base64_bytes")]
         data: Vec<u8>,
+    },
+    /// No provider can take the job now: it waits and asks again.
+    Waiting {
+        /// Provider (or `-`) and why it cannot take the job.
+        reasons: Vec<(String, String)>,
     },
     /// The provider failed; trying another.
     Retrying {
@@ -350,6 +373,9 @@ impl NodeHandle {
         mut exclude: Vec<String>,
     ) -> Result<JobSummary, JobError> {
         let mut attempt = 0;
+        let wait = req.wait.unwrap_or(self.team().is_some());
+        let mut backoff = FIRST_WAIT_POLL;
+        let mut last_reasons: Option<Vec<(String, String)>> = None;
         loop {
             attempt += 1;
             if *cancel.borrow() {
@@ -376,6 +402,26 @@ impl NodeHandle {
             };
             let lease = match self.request_lease(spec).await {
                 Ok(l) => l,
+                Err(e) if attempt == 1 && wait && waitable(&e) => {
+                    let reasons = wait_reasons(&e);
+                    if last_reasons.as_ref() != Some(&reasons) {
+                        events(JobEvent::Waiting {
+                            reasons: reasons.clone(),
+                        });
+                        last_reasons = Some(reasons);
+                    }
+                    attempt = 0;
+                    tokio::select! {
+                        _ = tokio::time::sleep(backoff) => {}
+                        changed = cancel.changed() => {
+                            if changed.is_err() {
+                                tokio::time::sleep(backoff).await;
+                            }
+                        }
+                    }
+                    backoff = (backoff * 2).min(MAX_WAIT_POLL);
+                    continue;
+                }
                 Err(e) if attempt == 1 => return Err(e.into()),
                 Err(e) => {
                     return Err(JobError::Failed(format!(
@@ -841,4 +887,30 @@ async fn collect_inputs(root: &Path, out: &mut Vec<LocalFile>) -> Result<(), Job
         }
     }
     Ok(())
+}
+
+/// Whether a lease failure may pass with time (busy, hours, quota, debt), so that a job
+/// with `--wait` asks again rather than failing.
+fn waitable(e: &LeaseError) -> bool {
+    use gpunode_protocol::lease::RejectCode;
+    match e {
+        LeaseError::NoProviders(_) | LeaseError::AllRefused(_) => true,
+        LeaseError::Refused(r) => matches!(
+            r.code,
+            RejectCode::NoCapacity
+                | RejectCode::LendingHours
+                | RejectCode::TeamPolicy
+                | RejectCode::DebtLimit
+                | RejectCode::LowReputation
+        ),
+        _ => false,
+    }
+}
+
+/// What each provider said, in plain words, for `gpunode why`.
+fn wait_reasons(e: &LeaseError) -> Vec<(String, String)> {
+    match e {
+        LeaseError::AllRefused(list) => list.clone(),
+        other => vec![("-".to_string(), other.to_string())],
+    }
 }

@@ -26,6 +26,8 @@ const MAX_FINISHED: usize = 1000;
 pub enum JobState {
     /// Looking for a provider and leasing.
     Leasing,
+    /// No provider can take it now; it waits and asks again (`--wait`).
+    Waiting,
     /// Sending the module and inputs.
     Uploading,
     /// Running on the provider.
@@ -51,6 +53,7 @@ impl JobState {
     pub fn label(self) -> &'static str {
         match self {
             JobState::Leasing => "leasing",
+            JobState::Waiting => "waiting",
             JobState::Uploading => "uploading",
             JobState::Running => "running",
             JobState::Finished => "finished",
@@ -85,6 +88,9 @@ pub struct JobView {
     pub error: Option<String>,
     /// Output bytes dropped from the log because of its bound.
     pub log_bytes_dropped: u64,
+    /// While waiting: since when, and why each provider asked could not take it.
+    #[serde(default)]
+    pub waiting: Option<super::requester::Waiting>,
 }
 
 struct Entry {
@@ -141,6 +147,7 @@ impl JobTable {
             summary: None,
             error: None,
             log_bytes_dropped: 0,
+            waiting: None,
         };
         let mut map = self.lock();
         forget_oldest_finished(&mut map);
@@ -169,8 +176,17 @@ impl JobTable {
                 provider, lease_id, ..
             } => {
                 e.view.state = JobState::Uploading;
+                e.view.waiting = None;
                 e.view.provider = Some(provider.clone());
                 e.view.lease_id = Some(lease_id.clone());
+            }
+            JobEvent::Waiting { reasons } => {
+                e.view.state = JobState::Waiting;
+                let since = e.view.waiting.as_ref().map_or(now_ms(), |w| w.since_ms);
+                e.view.waiting = Some(super::requester::Waiting {
+                    since_ms: since,
+                    reasons: reasons.clone(),
+                });
             }
             JobEvent::Started { .. } => e.view.state = JobState::Running,
             JobEvent::Retrying { .. } => e.view.state = JobState::Leasing,
@@ -323,6 +339,7 @@ mod tests {
             gpus: 0,
             gpu_model: None,
             gpu_slice: None,
+            wait: None,
             cpus: 1,
             mem_bytes: 0,
             timeout_ms: 1000,

@@ -11,3 +11,4 @@ mod ledger;
 mod ledger_crash;
 mod owner;
 mod teams;
+mod waiting;
