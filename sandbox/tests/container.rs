@@ -423,3 +423,35 @@ fn a_paused_job_stops_and_resumes() {
         Outcome::Cancelled
     );
 }
+
+#[test]
+fn a_paused_job_can_still_be_cancelled_and_leaves_nothing() {
+    let job = Job::new();
+    let mark = marker("paused-cancel");
+    let mut spec = job.spec(&["sh", "-c", "while true; do sleep 0.05; done"]);
+    let (key, value) = mark.split_once('=').expect("marker");
+    spec.env.push((key.into(), value.into()));
+    let (cancel, pause) = (spec.cancel.clone(), spec.pause.clone());
+    let exec = executor(None);
+    let runner = std::thread::spawn(move || exec.run(spec));
+    wait_until("the job to start", Duration::from_secs(10), || {
+        !processes_with_env(&mark).is_empty()
+    });
+    pause.set(true);
+    std::thread::sleep(Duration::from_millis(300));
+    cancel.cancel();
+    assert_eq!(
+        runner.join().expect("join").expect("run"),
+        Outcome::Cancelled
+    );
+    assert!(
+        pause.paused_ms() >= 200,
+        "the pause was counted: {}",
+        pause.paused_ms()
+    );
+    wait_until(
+        "every process of the job to die",
+        Duration::from_secs(5),
+        || processes_with_env(&mark).is_empty(),
+    );
+}

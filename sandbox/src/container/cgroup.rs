@@ -15,6 +15,8 @@ const ROOT: &str = "/sys/fs/cgroup";
 pub struct JobCgroup {
     dirs: Vec<PathBuf>,
     memory_dir: Option<PathBuf>,
+    /// Where pausing happens: the v1 `freezer` group, or the v2 group itself.
+    freezer_dir: Option<PathBuf>,
     v2: bool,
 }
 
@@ -30,6 +32,7 @@ impl JobCgroup {
         let mut group = JobCgroup {
             dirs: Vec::new(),
             memory_dir: None,
+            freezer_dir: None,
             v2: false,
         };
         let pids = Path::new(ROOT).join("pids").join(name);
@@ -46,6 +49,12 @@ impl JobCgroup {
         }
         // Both or nothing: half a cgroup would leave one limit to rlimits silently.
         if group.dirs.len() == 2 {
+            // The freezer pauses the whole group at once, where the host has one.
+            let freezer = Path::new(ROOT).join("freezer").join(name);
+            if make(&freezer, &[]) {
+                group.dirs.push(freezer.clone());
+                group.freezer_dir = Some(freezer);
+            }
             Some(group)
         } else {
             drop(group);
@@ -69,6 +78,7 @@ impl JobCgroup {
         ];
         make(&dir, &limits).then(|| JobCgroup {
             memory_dir: Some(dir.clone()),
+            freezer_dir: Some(dir.clone()),
             dirs: vec![dir],
             v2: true,
         })
@@ -107,6 +117,21 @@ impl JobCgroup {
         }
     }
 
+    /// Pauses (`true`) or resumes every process of the group at once, forks in flight
+    /// included; false when this host gives no freezer (the caller signals instead).
+    pub fn freeze(&self, frozen: bool) -> bool {
+        let Some(dir) = &self.freezer_dir else {
+            return false;
+        };
+        let (file, value) = match (self.v2, frozen) {
+            (true, true) => ("cgroup.freeze", "1"),
+            (true, false) => ("cgroup.freeze", "0"),
+            (false, true) => ("freezer.state", "FROZEN"),
+            (false, false) => ("freezer.state", "THAWED"),
+        };
+        std::fs::write(dir.join(file), value).is_ok()
+    }
+
     /// Kills every process in the groups; true when none is left.
     pub fn kill_all(&self) -> bool {
         let mut empty = true;
@@ -123,6 +148,7 @@ impl JobCgroup {
 
 impl Drop for JobCgroup {
     fn drop(&mut self) {
+        self.freeze(false);
         for _ in 0..100 {
             if self.kill_all() {
                 break;

@@ -539,6 +539,10 @@ fn watch(
     let (mut polls, mut paused) = (0u32, false);
     let mut paused_since = started;
     let stop = |child: &mut Child, why: Outcome| {
+        // A frozen (v1) process cannot die until it is thawed.
+        if let Some(group) = cgroup {
+            group.freeze(false);
+        }
         let _ = child.kill();
         let _ = child.wait();
         if let Some(group) = cgroup {
@@ -588,13 +592,16 @@ fn watch(
             } else {
                 Signal::Continue
             };
-            // Children first when stopping, so none runs on while its parent stops.
-            let mut tree = descendants(child.id());
-            if want_pause {
-                tree.reverse();
-            }
-            for pid in tree {
-                send(pid, signal);
+            // The freezer stops the whole group at once; without one, signal the tree,
+            // children first when stopping, so none runs on while its parent stops.
+            if !cgroup.as_ref().is_some_and(|g| g.freeze(want_pause)) {
+                let mut tree = descendants(child.id());
+                if want_pause {
+                    tree.reverse();
+                }
+                for pid in tree {
+                    send(pid, signal);
+                }
             }
             paused = want_pause;
             if paused {
