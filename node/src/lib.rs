@@ -693,8 +693,7 @@ impl InventoryReader {
             .unwrap_or_else(|p| p.into_inner())
             .replace(now)
             .map_or(0, |t| now.duration_since(t).as_millis() as u64);
-        self.lease_jobs.meter(&snap, since);
-        let job_pids = self.lease_jobs.job_pids();
+        let job_pids = self.lease_jobs.meter(&snap, since);
         self.rules
             .apply(&mut snap, &job_pids, gpunode_protocol::time::now_ms());
         snap

@@ -187,41 +187,35 @@ impl LeaseJobs {
         self.lock().values().map(Vec::len).sum()
     }
 
-    /// Host processes of the running container jobs: what is not the GPU owner's.
-    pub fn job_pids(&self) -> HashSet<u32> {
-        let roots: Vec<u32> = self
-            .lock()
-            .values()
-            .flatten()
-            .filter_map(|(_, c)| c.root_pid())
-            .collect();
-        let mut pids = HashSet::new();
-        for root in roots {
-            pids.insert(root);
-            pids.extend(gpunode_sandbox::container::procs::descendants(root));
-        }
-        pids
-    }
-
     /// Adds one sample of `snap`, covering `dt_ms`, to the GPU use of every running job
-    /// that holds GPUs.
-    pub fn meter(&self, snap: &InventorySnapshot, dt_ms: u64) {
+    /// that holds GPUs, and returns the host processes of every running container job
+    /// (what is not the GPU owner's). One `/proc` scan serves all jobs.
+    pub fn meter(&self, snap: &InventorySnapshot, dt_ms: u64) -> HashSet<u32> {
         let jobs: Vec<JobControl> = self
             .lock()
             .values()
             .flatten()
             .map(|(_, c)| c.clone())
-            .filter(|c| !c.gpus.is_empty())
+            .filter(|c| !c.gpus.is_empty() || c.root_pid().is_some())
             .collect();
+        let mut all = HashSet::new();
+        let tree = jobs
+            .iter()
+            .any(|j| j.root_pid().is_some())
+            .then(gpunode_sandbox::container::procs::ProcessTree::read);
         for job in jobs {
             let mut pids: HashSet<u32> = HashSet::new();
-            if let Some(root) = job.root_pid() {
+            if let (Some(root), Some(tree)) = (job.root_pid(), &tree) {
                 pids.insert(root);
-                pids.extend(gpunode_sandbox::container::procs::descendants(root));
+                pids.extend(tree.descendants(root));
             }
-            let mut usage = job.gpu_use.lock().unwrap_or_else(|p| p.into_inner());
-            gpu_use::sample(&mut usage, snap, &job.gpus, &pids, dt_ms);
+            if !job.gpus.is_empty() {
+                let mut usage = job.gpu_use.lock().unwrap_or_else(|p| p.into_inner());
+                gpu_use::sample(&mut usage, snap, &job.gpus, &pids, dt_ms);
+            }
+            all.extend(pids);
         }
+        all
     }
 
     /// The running jobs, for `status` and `/metrics`.
@@ -241,19 +235,5 @@ impl LeaseJobs {
             .collect();
         views.sort_by(|a, b| a.lease_id.cmp(&b.lease_id).then(a.job.cmp(&b.job)));
         views
-    }
-
-    /// The host processes of one lease's jobs.
-    pub fn pids_of(&self, lease: &LeaseId) -> Vec<u32> {
-        let roots: Vec<u32> = self
-            .lock()
-            .get(lease)
-            .map(|v| v.iter().filter_map(|(_, c)| c.root_pid()).collect())
-            .unwrap_or_default();
-        let mut pids = roots.clone();
-        for root in roots {
-            pids.extend(gpunode_sandbox::container::procs::descendants(root));
-        }
-        pids
     }
 }

@@ -5,22 +5,41 @@ use std::collections::{HashMap, HashSet};
 
 /// Every process whose parent chain leads to `root` (not `root` itself), read from `/proc`.
 pub fn descendants(root: u32) -> Vec<u32> {
-    let mut children: HashMap<u32, Vec<u32>> = HashMap::new();
-    for pid in all_pids() {
-        if let Some(ppid) = parent_of(pid) {
-            children.entry(ppid).or_default().push(pid);
-        }
-    }
-    let (mut out, mut seen, mut stack) = (Vec::new(), HashSet::new(), vec![root]);
-    while let Some(p) = stack.pop() {
-        for &c in children.get(&p).map(Vec::as_slice).unwrap_or(&[]) {
-            if seen.insert(c) {
-                out.push(c);
-                stack.push(c);
+    ProcessTree::read().descendants(root)
+}
+
+/// Parent-to-children links of every process, read from `/proc` once, so that the trees
+/// of many roots cost one scan.
+#[derive(Debug, Default)]
+pub struct ProcessTree {
+    children: HashMap<u32, Vec<u32>>,
+}
+
+impl ProcessTree {
+    /// Reads `/proc` now.
+    pub fn read() -> ProcessTree {
+        let mut children: HashMap<u32, Vec<u32>> = HashMap::new();
+        for pid in all_pids() {
+            if let Some(ppid) = parent_of(pid) {
+                children.entry(ppid).or_default().push(pid);
             }
         }
+        ProcessTree { children }
     }
-    out
+
+    /// Every process below `root` (not `root` itself).
+    pub fn descendants(&self, root: u32) -> Vec<u32> {
+        let (mut out, mut seen, mut stack) = (Vec::new(), HashSet::new(), vec![root]);
+        while let Some(p) = stack.pop() {
+            for &c in self.children.get(&p).map(Vec::as_slice).unwrap_or(&[]) {
+                if seen.insert(c) {
+                    out.push(c);
+                    stack.push(c);
+                }
+            }
+        }
+        out
+    }
 }
 
 /// Every process on the host whose environment holds `needle` (e.g. `NAME=value`):

@@ -178,8 +178,11 @@ async fn share_keeps_running_and_suspend_pauses_until_the_owner_leaves() {
     .expect("counting");
     let sim1 = net.nodes[1].gpus.clone().expect("simulated");
     sim1.set_owner_process(0, Some(OWNER_PID), 1 << 30);
-    // Give the poll (100 ms) and the loop time to pause, then watch for a second.
-    tokio::time::sleep(Duration::from_millis(600)).await;
+    // Wait until the provider has paused the job, then watch for a second.
+    status_until(&net.nodes[1], "the job to be paused", |s| {
+        s.running_jobs.iter().any(|j| j.paused)
+    })
+    .await;
     seen.extend(events_for(&client, &view.job_id, &mut from, Duration::from_millis(300)).await);
     let paused_at = stdout_of(&seen).len();
     let during = events_for(&client, &view.job_id, &mut from, Duration::from_secs(1)).await;
@@ -214,6 +217,22 @@ async fn share_keeps_running_and_suspend_pauses_until_the_owner_leaves() {
     );
     client.shutdown().await;
     net.shutdown().await;
+}
+
+/// The node's status once `ok` holds for it (within 10 s).
+async fn status_until(
+    node: &TestNode,
+    what: &str,
+    ok: impl Fn(&gpunode_node::views::NodeStatus) -> bool,
+) -> gpunode_node::views::NodeStatus {
+    for _ in 0..200 {
+        let status = node.handle.status().await.expect("status");
+        if ok(&status) {
+            return status;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("timed out waiting for {what}")
 }
 
 /// The ledger's newest entry, once a receipt has settled (within 30 s).
@@ -355,8 +374,16 @@ async fn gpu_use_is_metered_into_the_receipt_and_alerts_run_the_hook() {
     let pid = *pids.first().expect("the job's process");
     sim.set_job_process(0, pid, Some((3 << 30, 70)));
     sim.set_readings(0, 91, 0, 70);
-    tokio::time::sleep(Duration::from_millis(600)).await;
-    let status = net.nodes[0].handle.status().await.expect("status");
+    let status = status_until(
+        &net.nodes[0],
+        "300 ms of the job's GPU use to be sampled",
+        |s| {
+            s.running_jobs
+                .iter()
+                .any(|j| j.gpu.is_some_and(|g| g.gpu_ms >= 300))
+        },
+    )
+    .await;
     assert_eq!(
         status.inventory.gpus[0].state,
         GpuState::Idle,
