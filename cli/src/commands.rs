@@ -337,6 +337,7 @@ async fn lease_request(
         } else {
             gpunode_protocol::team::JobKind::Interactive
         },
+        ticket: None,
     };
     if spec.duration_ms == 0 {
         anyhow::bail!("invalid --duration: a lease must last longer than 0");

@@ -336,7 +336,7 @@ async fn follow(
                         output::short_peer(&provider)
                     )?;
                 }
-                JobEvent::Waiting { reasons } => {
+                JobEvent::Waiting { reasons, .. } => {
                     writeln!(
                         err,
                         "gpunode: no provider can take the job now; waiting (Ctrl-C to give up):"
@@ -560,6 +560,23 @@ pub fn explain(j: &JobView, now: u64) -> String {
                     now.saturating_sub(w.since_ms)
                 ))
             );
+            if let Some((provider, q)) = &w.queue {
+                let when = match q.estimated_start_ms {
+                    Some(t) if t > now => format!(
+                        "is estimated to start in {} (at {})",
+                        gpunode_protocol::units::format_age(Duration::from_millis(t - now)),
+                        output::format_utc(t)
+                    ),
+                    Some(_) => "should start any moment".to_string(),
+                    None => "has no estimated start yet".to_string(),
+                };
+                s.push_str(&format!(
+                    "Its best place is at {}: position {} of {} in its queue; it {when}.\n",
+                    output::short_peer(provider),
+                    q.position,
+                    q.of
+                ));
+            }
             for (provider, reason) in &w.reasons {
                 let who = if provider == "-" {
                     "no provider".to_string()
@@ -631,6 +648,7 @@ mod tests {
                     "no provider offers 2 GPU(s) of model H100".into(),
                 ),
             ],
+            queue: None,
         });
         let text = explain(&j, 181_000);
         assert!(text.contains("waiting for a provider for 3m"), "{text}");
@@ -640,6 +658,24 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("gpunode cancel a1b2c3d4e5f60708"), "{text}");
+        assert!(!text.contains("best place"), "{text}");
+
+        // Queued: its best place and estimated start come first.
+        j.waiting.as_mut().expect("waiting").queue = Some((
+            "12D3KooWAbCdEfGhIjKlMnOpQrStUvWxYz1234567890abcdef".into(),
+            gpunode_protocol::lease::QueuePlace {
+                position: 2,
+                of: 3,
+                estimated_start_ms: Some(481_000),
+                reason: "GPU 0 is leased for 5m 00s more".into(),
+            },
+        ));
+        let text = explain(&j, 181_000);
+        assert!(
+            text.contains("position 2 of 3 in its queue; it is estimated to start in 5m"),
+            "{text}"
+        );
+        assert!(text.contains("1970-01-01 00:08:01 UTC"), "{text}");
         let mut failed = view(JobState::Failed);
         failed.error = Some("the module is not a WASI command".into());
         assert_eq!(

@@ -238,28 +238,7 @@ pub fn print_status(out: &mut impl Write, s: &NodeStatus) -> io::Result<()> {
     )
 }
 
-/// `2026-11-30 10:50:01 UTC` from unix milliseconds.
-pub fn format_utc(ms: u64) -> String {
-    let secs = ms / 1000;
-    let days = (secs / 86_400) as i64;
-    let rem = secs % 86_400;
-    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!(
-        "{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02} UTC",
-        rem / 3600,
-        (rem % 3600) / 60,
-        rem % 60
-    )
-}
+pub use gpunode_protocol::time::format_utc;
 
 fn gpus_of(v: &gpunode_node::LeaseView) -> String {
     if v.gpus.is_empty() {
@@ -390,7 +369,17 @@ pub fn print_jobs(out: &mut impl Write, jobs: &[gpunode_node::jobs::JobView]) ->
                 .unwrap_or_default();
             vec![
                 j.job_id.clone(),
-                j.state.label().to_string(),
+                match j.waiting.as_ref().and_then(|w| w.queue.as_ref()) {
+                    Some((_, q)) => match q.estimated_start_ms {
+                        Some(t) => format!(
+                            "waiting #{} ~{}",
+                            q.position,
+                            format_age(Duration::from_millis(t.saturating_sub(now)))
+                        ),
+                        None => format!("waiting #{}", q.position),
+                    },
+                    None => j.state.label().to_string(),
+                },
                 j.provider
                     .as_deref()
                     .map(short_peer)

@@ -219,6 +219,9 @@ pub struct LeaseSpec {
     /// Interactive (default) or batch work.
     #[serde(default)]
     pub kind: gpunode_protocol::team::JobKind,
+    /// Wait in providers' queues under this ticket when they cannot grant now.
+    #[serde(default)]
+    pub ticket: Option<u128>,
 }
 
 /// The outcome of a cancellation.

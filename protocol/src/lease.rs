@@ -99,6 +99,9 @@ pub struct LeaseRequest {
     pub sent_at_ms: UnixMillis,
     /// After this the request must not be answered.
     pub expires_at_ms: UnixMillis,
+    /// The requester's place in the provider's queue, kept across asks: a request that
+    /// cannot be granted now waits in the queue under this ticket (`None`: do not queue).
+    pub ticket: Option<u128>,
 }
 
 /// A GPU named in a lease.
@@ -365,6 +368,19 @@ impl From<SignatureError> for Rejection {
     }
 }
 
+/// Where a request waits in a provider's queue.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QueuePlace {
+    /// 1 = served next.
+    pub position: u32,
+    /// Requests waiting in all.
+    pub of: u32,
+    /// When it would start if nothing changed (provider's clock), if foreseeable.
+    pub estimated_start_ms: Option<UnixMillis>,
+    /// Why it does not start now, in plain words.
+    pub reason: String,
+}
+
 /// Answers on the lease protocol.
 // Replies are built once and moved straight to the codec; boxing would buy nothing.
 #[allow(clippy::large_enum_variant)]
@@ -398,6 +414,9 @@ pub enum LeaseReply {
         /// The lease.
         lease_id: LeaseId,
     },
+    /// Not now: the request waits in the provider's queue; ask again (with the same
+    /// ticket) within a few seconds to keep the place.
+    Queued(QueuePlace),
 }
 
 /// Decodes a lease message, mapping failures to the rejection a peer is sent.

@@ -215,6 +215,7 @@ pub async fn lease(
         max_price: None,
         exclude: Vec::new(),
         kind: Default::default(),
+        ticket: None,
     };
     let mut clients = Vec::with_capacity(requesters.max(1));
     for _ in 0..requesters.max(1) {

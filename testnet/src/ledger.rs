@@ -35,6 +35,7 @@ pub fn bare_lease(provider: &str, duration_ms: u64) -> LeaseSpec {
         max_price: None,
         exclude: Vec::new(),
         kind: Default::default(),
+        ticket: None,
     }
 }
 

@@ -132,9 +132,10 @@ impl IntoResponse for LeaseApiError {
         let status = match &self.0 {
             LeaseError::Invalid(_) => StatusCode::BAD_REQUEST,
             LeaseError::NotFound(_) => StatusCode::NOT_FOUND,
-            LeaseError::NoProviders(_) | LeaseError::AllRefused(_) | LeaseError::Refused(_) => {
-                StatusCode::CONFLICT
-            }
+            LeaseError::NoProviders(_)
+            | LeaseError::AllRefused(_)
+            | LeaseError::Queued { .. }
+            | LeaseError::Refused(_) => StatusCode::CONFLICT,
             LeaseError::Node(_) => StatusCode::SERVICE_UNAVAILABLE,
         };
         (status, self.0.to_string()).into_response()

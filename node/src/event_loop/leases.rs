@@ -9,6 +9,7 @@ use gpunode_protocol::time::now_ms;
 use libp2p::request_response::{self, ResponseChannel};
 use libp2p::PeerId;
 
+use super::queue::Decision;
 use super::EventLoop;
 use crate::inventory::InventorySnapshot;
 use crate::lease::book::SignedRenewal;
@@ -107,14 +108,37 @@ impl EventLoop {
                         self.team.as_ref().and_then(|t| t.allowance_millicredits()),
                     )
                 });
-                match admitted
-                    .and_then(|()| self.leases.on_request(&peer, &req, id, &self.keypair, now))
-                {
-                    Ok((terms, provider_sig)) => LeaseReply::Offer {
-                        terms,
-                        provider_sig,
+                let checked = admitted.and_then(|()| self.leases.check_request(&peer, &req, now));
+                match checked.map(|()| self.queue_decision(&peer, &req, now)) {
+                    Err(r) => {
+                        self.queue_refused(&req);
+                        LeaseReply::Rejected(r)
+                    }
+                    Ok(Decision::Queued(place)) => LeaseReply::Queued(place),
+                    Ok(Decision::Refused(r)) => LeaseReply::Rejected(r),
+                    Ok(Decision::Grant(prefer)) => match self.leases.on_request_preferring(
+                        &peer,
+                        &req,
+                        id,
+                        &self.keypair,
+                        now,
+                        &prefer,
+                    ) {
+                        Ok((terms, provider_sig)) => {
+                            self.queue_granted(&peer, &req, now);
+                            LeaseReply::Offer {
+                                terms,
+                                provider_sig,
+                            }
+                        }
+                        Err(r) => {
+                            // Out of CPU or RAM: a queued request keeps its place.
+                            if r.code != RejectCode::NoCapacity {
+                                self.queue_refused(&req);
+                            }
+                            LeaseReply::Rejected(r)
+                        }
                     },
-                    Err(r) => LeaseReply::Rejected(r),
                 }
             }
             InboundLease::Message(LeaseMessage::Accept {
@@ -187,9 +211,16 @@ impl EventLoop {
     /// Writes lease changes and stops the jobs of every lease that ended.
     fn write_lease_changes(&mut self) -> Result<(), crate::store::StoreError> {
         let ended = persist::write_changes(&self.store, &mut self.leases)?;
+        let now = now_ms();
         for id in ended {
-            if let Some(record) = self.leases.get(&id) {
+            if let Some(record) = self.leases.get(&id).cloned() {
                 if record.role == crate::lease::LeaseRole::Provider {
+                    self.queue_lease_ended(
+                        &record.terms.requester,
+                        record.terms.gpus.len() as u32,
+                        record.terms.end_ms,
+                        now,
+                    );
                     if let Err(e) = self.ended_leases.try_send(record.clone()) {
                         // The settlement task sweeps for ended leases it missed.
                         tracing::debug!(lease = %id, "settlement queue full: {e}");

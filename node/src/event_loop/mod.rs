@@ -35,6 +35,7 @@ use tokio::time::Instant;
 mod finds;
 mod leases;
 mod owner;
+mod queue;
 
 use finds::PendingFind;
 
@@ -163,6 +164,8 @@ pub(crate) struct EventLoop {
     owner: owner::OwnerState,
     /// GPU alert thresholds and what they have seen.
     alerts: crate::alerts::AlertWatch,
+    /// Lease requests waiting for GPUs, and the usage they are ordered by.
+    waiting: queue::WaitQueue,
 }
 
 /// How the loop is set up.
@@ -245,6 +248,7 @@ impl EventLoop {
                 parts.lending,
             ),
             alerts: crate::alerts::AlertWatch::new(parts.alerts),
+            waiting: queue::WaitQueue::new(),
         }
     }
 

@@ -12,7 +12,7 @@ use gpunode_protocol::job::{
     check_relative_path, BlobHash, BlobRef, JobFile, JobOutcome, JobRefusal, JobReport, JobSubmit,
     Program, ProviderMsg, RequesterMsg, JOB_VERSION, MAX_INPUT_FILES, MAX_MESSAGE_BYTES,
 };
-use gpunode_protocol::lease::LeaseId;
+use gpunode_protocol::lease::{LeaseId, QueuePlace};
 use gpunode_protocol::time::now_ms;
 use libp2p::PeerId;
 use serde::{Deserialize, Serialize};
@@ -45,6 +45,9 @@ const PREEMPTED: &str =
 const FIRST_WAIT_POLL: Duration = Duration::from_secs(1);
 /// The longest a waiting job goes without asking again.
 const MAX_WAIT_POLL: Duration = Duration::from_secs(10);
+/// How often a job waiting in providers' queues asks again (well inside the time a
+/// provider keeps a place that nobody asks for: `QUEUE_STALE_MS`).
+const QUEUED_POLL: Duration = Duration::from_millis(500);
 /// How long a cancelled job may take to report back.
 const CANCEL_GRACE: Duration = Duration::from_secs(5);
 
@@ -128,6 +131,9 @@ pub struct Waiting {
     pub since_ms: u64,
     /// Provider (or `-` when none offers what was asked) and its reason.
     pub reasons: Vec<(String, String)>,
+    /// The best place it holds in a provider's queue (soonest estimated start).
+    #[serde(default)]
+    pub queue: Option<(String, QueuePlace)>,
 }
 
 /// Something that happened to a job, in order.
@@ -175,6 +181,9 @@ pub enum JobEvent {
     Waiting {
         /// Provider (or `-`) and why it cannot take the job.
         reasons: Vec<(String, String)>,
+        /// The best place it holds in a provider's queue.
+        #[serde(default)]
+        queue: Option<(String, QueuePlace)>,
     },
     /// The provider failed; trying another.
     Retrying {
@@ -375,6 +384,8 @@ impl NodeHandle {
         let mut attempt = 0;
         let wait = req.wait.unwrap_or(self.team().is_some());
         let mut backoff = FIRST_WAIT_POLL;
+        // One ticket for the whole job, so providers keep its place in their queues.
+        let ticket: u128 = rand::random();
         let mut last_reasons: Option<Vec<(String, String)>> = None;
         loop {
             attempt += 1;
@@ -399,18 +410,28 @@ impl NodeHandle {
                 max_price: req.max_price,
                 exclude: exclude.clone(),
                 kind: req.kind,
+                ticket: wait.then_some(ticket),
             };
             let lease = match self.request_lease(spec).await {
                 Ok(l) => l,
                 Err(e) if attempt == 1 && wait && waitable(&e) => {
                     let reasons = wait_reasons(&e);
+                    let queue = match &e {
+                        LeaseError::Queued { queued, .. } => queued.first().cloned(),
+                        _ => None,
+                    };
                     if last_reasons.as_ref() != Some(&reasons) {
                         events(JobEvent::Waiting {
                             reasons: reasons.clone(),
+                            queue: queue.clone(),
                         });
                         last_reasons = Some(reasons);
                     }
                     attempt = 0;
+                    if queue.is_some() {
+                        // A place in a queue is kept only by asking again soon.
+                        backoff = QUEUED_POLL;
+                    }
                     tokio::select! {
                         _ = tokio::time::sleep(backoff) => {}
                         changed = cancel.changed() => {
@@ -894,7 +915,7 @@ async fn collect_inputs(root: &Path, out: &mut Vec<LocalFile>) -> Result<(), Job
 fn waitable(e: &LeaseError) -> bool {
     use gpunode_protocol::lease::RejectCode;
     match e {
-        LeaseError::NoProviders(_) | LeaseError::AllRefused(_) => true,
+        LeaseError::NoProviders(_) | LeaseError::AllRefused(_) | LeaseError::Queued { .. } => true,
         LeaseError::Refused(r) => matches!(
             r.code,
             RejectCode::NoCapacity
@@ -911,6 +932,11 @@ fn waitable(e: &LeaseError) -> bool {
 fn wait_reasons(e: &LeaseError) -> Vec<(String, String)> {
     match e {
         LeaseError::AllRefused(list) => list.clone(),
+        LeaseError::Queued { queued, refused } => queued
+            .iter()
+            .map(|(p, q)| (p.clone(), crate::lease::describe_place(q)))
+            .chain(refused.iter().cloned())
+            .collect(),
         other => vec![("-".to_string(), other.to_string())],
     }
 }

@@ -180,12 +180,13 @@ impl JobTable {
                 e.view.provider = Some(provider.clone());
                 e.view.lease_id = Some(lease_id.clone());
             }
-            JobEvent::Waiting { reasons } => {
+            JobEvent::Waiting { reasons, queue } => {
                 e.view.state = JobState::Waiting;
                 let since = e.view.waiting.as_ref().map_or(now_ms(), |w| w.since_ms);
                 e.view.waiting = Some(super::requester::Waiting {
                     since_ms: since,
                     reasons: reasons.clone(),
+                    queue: queue.clone(),
                 });
             }
             JobEvent::Started { .. } => e.view.state = JobState::Running,

@@ -406,16 +406,25 @@ impl LeaseBook {
         self.nonce_expiry.insert((until, peer, nonce));
     }
 
-    /// Step 2 of a negotiation, as provider: check the request against policy and
-    /// capacity, pick concrete GPUs, hold them for the offer window, sign the terms.
-    pub fn on_request(
-        &mut self,
+    /// The checks of a request that change nothing: version, sender, key, clock, nonce
+    /// (not spent here) and this provider's policy. A request that passes may still find
+    /// no capacity.
+    pub fn check_request(
+        &self,
         from: &PeerId,
         req: &LeaseRequest,
-        lease_id: LeaseId,
-        key: &Keypair,
         now: UnixMillis,
-    ) -> Result<(LeaseTerms, Vec<u8>), Rejection> {
+    ) -> Result<(), Rejection> {
+        self.check_valid(from, req, now)?;
+        self.check_policy(from, req)
+    }
+
+    fn check_valid(
+        &self,
+        from: &PeerId,
+        req: &LeaseRequest,
+        now: UnixMillis,
+    ) -> Result<(), Rejection> {
         if req.version != LEASE_VERSION {
             return Err(reject(
                 RejectCode::InvalidRequest,
@@ -456,6 +465,34 @@ impl LeaseBook {
                 "this request's nonce was used before (replayed request)",
             ));
         }
+        Ok(())
+    }
+
+    /// Step 2 of a negotiation, as provider: check the request against policy and
+    /// capacity, pick concrete GPUs, hold them for the offer window, sign the terms.
+    pub fn on_request(
+        &mut self,
+        from: &PeerId,
+        req: &LeaseRequest,
+        lease_id: LeaseId,
+        key: &Keypair,
+        now: UnixMillis,
+    ) -> Result<(LeaseTerms, Vec<u8>), Rejection> {
+        self.on_request_preferring(from, req, lease_id, key, now, &[])
+    }
+
+    /// [`Self::on_request`], taking the GPUs in `prefer` (by index) when they are free and
+    /// fit (the queue's plan chose them).
+    pub fn on_request_preferring(
+        &mut self,
+        from: &PeerId,
+        req: &LeaseRequest,
+        lease_id: LeaseId,
+        key: &Keypair,
+        now: UnixMillis,
+        prefer: &[u32],
+    ) -> Result<(LeaseTerms, Vec<u8>), Rejection> {
+        self.check_valid(from, req, now)?;
         // The nonce is spent from here on, whatever the answer.
         let keep_until = req.expires_at_ms.max(now) + MAX_CLOCK_SKEW_MS;
         self.remember_nonce(*from, req.nonce, keep_until);
@@ -463,7 +500,7 @@ impl LeaseBook {
             .push(Change::Nonce(*from, req.nonce, keep_until));
 
         self.check_policy(from, req)?;
-        let (gpus, cpus, mem) = self.allocate(from, req)?;
+        let (gpus, cpus, mem) = self.allocate(from, req, prefer)?;
         let terms = LeaseTerms {
             version: LEASE_VERSION,
             lease_id,
@@ -558,10 +595,60 @@ impl LeaseBook {
         Ok(())
     }
 
+    /// Indices of the GPUs that could serve `req` at all (model, memory, slice), free or
+    /// not, lendable now or not.
+    pub fn eligible_gpus(&self, req: &LeaseRequest) -> Vec<u32> {
+        let r = &req.requirements;
+        let filter = OfferFilter {
+            gpu_model: r.gpu_model.clone(),
+            gpu_slice: r.gpu_slice.clone(),
+            min_gpu_mem_bytes: r.min_gpu_mem_bytes,
+            gpus: None,
+            backend: None,
+        };
+        self.capacity
+            .gpus
+            .iter()
+            .filter(|g| filter.gpu_matches(&g.model, g.memory_bytes))
+            .map(|g| g.index)
+            .collect()
+    }
+
+    /// Each GPU's timeline for the queue's plan: when its leases end (offers included),
+    /// `None` while the owner has it.
+    pub fn timelines(&self, now: UnixMillis) -> Vec<gpunode_sched::GpuTimeline> {
+        let mut busy_until: HashMap<&str, UnixMillis> = HashMap::new();
+        for l in self.leases.values() {
+            if l.role == LeaseRole::Provider && l.state.holds_resources() {
+                for g in &l.terms.gpus {
+                    let end = busy_until.entry(g.uuid.as_str()).or_insert(now);
+                    *end = (*end).max(l.terms.end_ms);
+                }
+            }
+        }
+        self.capacity
+            .gpus
+            .iter()
+            .map(|g| gpunode_sched::GpuTimeline {
+                index: g.index,
+                free_at: g
+                    .available
+                    .then(|| busy_until.get(g.uuid.as_str()).copied().unwrap_or(now)),
+                reserved: Vec::new(),
+            })
+            .collect()
+    }
+
+    /// Whether `req` would find capacity now (nothing is held).
+    pub fn capacity_for(&self, from: &PeerId, req: &LeaseRequest) -> Result<(), Rejection> {
+        self.allocate(from, req, &[]).map(|_| ())
+    }
+
     fn allocate(
         &self,
         _from: &PeerId,
         req: &LeaseRequest,
+        prefer: &[u32],
     ) -> Result<(Vec<LeasedGpu>, u32, u64), Rejection> {
         let r = &req.requirements;
         let committed = &self.totals.gpus;
@@ -617,8 +704,9 @@ impl LeaseBook {
             };
             return Err(reject(RejectCode::NoCapacity, format!("{need}{hint}")));
         }
-        // Smallest sufficient GPUs first, so big ones stay for big requests.
-        fitting.sort_by_key(|g| (g.memory_bytes, g.index));
+        // The plan's choice first; then smallest sufficient GPUs, so big ones stay for
+        // big requests.
+        fitting.sort_by_key(|g| (!prefer.contains(&g.index), g.memory_bytes, g.index));
         let gpus = fitting
             .iter()
             .take(r.gpus as usize)

@@ -81,6 +81,7 @@ impl Fixture {
             max_price_per_gpu_hour_millicredits: None,
             sent_at_ms: NOW,
             expires_at_ms: NOW + 30_000,
+            ticket: None,
         }
     }
 
@@ -620,6 +621,7 @@ proptest! {
                         max_price_per_gpu_hour_millicredits: None,
                         sent_at_ms: now,
                         expires_at_ms: now + 30_000,
+                        ticket: None,
                     };
                     let mut id = [0u8; 16];
                     id[..8].copy_from_slice(&nonce.to_le_bytes());

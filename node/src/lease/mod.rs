@@ -13,4 +13,5 @@ pub mod persist;
 pub mod policy;
 
 pub use book::{LeaseBook, LeaseRecord, LeaseRole, LeaseState};
+pub use negotiate::describe_place;
 pub use policy::{Capacity, GpuSlot, LeasePolicy};

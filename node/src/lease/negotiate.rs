@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use gpunode_protocol::advert::OfferFilter;
 use gpunode_protocol::lease::{
-    LeaseMessage, LeaseReply, LeaseRequest, LeaseTerms, RejectCode, Rejection, Renewal,
+    LeaseMessage, LeaseReply, LeaseRequest, LeaseTerms, QueuePlace, RejectCode, Rejection, Renewal,
     Requirements, LEASE_VERSION,
 };
 use gpunode_protocol::time::{now_ms, UnixMillis, MAX_CLOCK_SKEW_MS};
@@ -17,6 +17,31 @@ use crate::event_loop::Command;
 use crate::lease::book::{LeaseRole, LeaseState, SignedRenewal};
 use crate::views::{CancelOutcome, LeaseSpec, LeaseView};
 use crate::{NodeError, NodeHandle};
+
+/// Why one provider did not grant a lease.
+enum NotGranted {
+    /// Refused, with the reason.
+    Refused(String),
+    /// Waits in its queue.
+    Queued(QueuePlace),
+}
+
+/// A queue place in words: "queued: position 2 of 3; estimated start at 12:04:05 UTC:
+/// GPU 0 is leased for 3m 00s more".
+pub fn describe_place(q: &QueuePlace) -> String {
+    let when = match q.estimated_start_ms {
+        Some(t) => format!("estimated start {}", gpunode_protocol::time::format_utc(t)),
+        None => "no start can be estimated".to_string(),
+    };
+    if q.reason.is_empty() {
+        format!("queued: position {} of {}; {when}", q.position, q.of)
+    } else {
+        format!(
+            "queued: position {} of {}; {when}: {}",
+            q.position, q.of, q.reason
+        )
+    }
+}
 
 /// How long a lease request stays valid.
 const REQUEST_TTL_MS: u64 = 30_000;
@@ -33,6 +58,14 @@ pub enum LeaseError {
     /// Every candidate refused or failed.
     #[error("no provider granted the lease:{}", .0.iter().map(|(p, m)| format!("\n  {p}: {m}")).collect::<String>())]
     AllRefused(Vec<(String, String)>),
+    /// Nobody can grant it now; it waits in these providers' queues (the others refused).
+    #[error("queued at {} provider(s):{}", .queued.len(), .queued.iter().map(|(p, q)| format!("\n  {p}: {}", describe_place(q))).chain(.refused.iter().map(|(p, m)| format!("\n  {p}: {m}"))).collect::<String>())]
+    Queued {
+        /// Provider and place.
+        queued: Vec<(String, QueuePlace)>,
+        /// Provider and why it refused.
+        refused: Vec<(String, String)>,
+    },
     /// The other party refused.
     #[error("{0}")]
     Refused(Rejection),
@@ -185,13 +218,23 @@ impl NodeHandle {
             return Err(LeaseError::NoProviders(describe(&spec)));
         }
         let mut refusals = Vec::new();
+        let mut queued = Vec::new();
         for (peer, addrs) in candidates {
             match self.negotiate_with(peer, addrs, &spec, max_price).await? {
                 Ok(view) => return Ok(view),
-                Err(why) => refusals.push((peer.to_string(), why)),
+                Err(NotGranted::Refused(why)) => refusals.push((peer.to_string(), why)),
+                Err(NotGranted::Queued(place)) => queued.push((peer.to_string(), place)),
             }
         }
-        Err(LeaseError::AllRefused(refusals))
+        if queued.is_empty() {
+            return Err(LeaseError::AllRefused(refusals));
+        }
+        // Soonest start first.
+        queued.sort_by_key(|(_, q)| (q.estimated_start_ms.unwrap_or(u64::MAX), q.position));
+        Err(LeaseError::Queued {
+            queued,
+            refused: refusals,
+        })
     }
 
     async fn negotiate_with(
@@ -200,7 +243,7 @@ impl NodeHandle {
         addrs: Vec<Multiaddr>,
         spec: &LeaseSpec,
         max_price: Option<u64>,
-    ) -> Result<Result<LeaseView, String>, NodeError> {
+    ) -> Result<Result<LeaseView, NotGranted>, NodeError> {
         let now = now_ms();
         let req = LeaseRequest {
             version: LEASE_VERSION,
@@ -221,6 +264,7 @@ impl NodeHandle {
             max_price_per_gpu_hour_millicredits: max_price,
             sent_at_ms: now,
             expires_at_ms: now + REQUEST_TTL_MS,
+            ticket: spec.ticket,
         };
         let (terms, provider_sig) = match self
             .send_lease(peer, addrs.clone(), LeaseMessage::Request(req.clone()))
@@ -230,16 +274,24 @@ impl NodeHandle {
                 terms,
                 provider_sig,
             }) => (terms, provider_sig),
-            Ok(LeaseReply::Rejected(r)) => return Ok(Err(r.message)),
-            Ok(other) => return Ok(Err(format!("unexpected answer {other:?}"))),
-            Err(e) => return Ok(Err(e)),
+            Ok(LeaseReply::Queued(place)) => return Ok(Err(NotGranted::Queued(place))),
+            Ok(LeaseReply::Rejected(r)) => return Ok(Err(NotGranted::Refused(r.message))),
+            Ok(other) => {
+                return Ok(Err(NotGranted::Refused(format!(
+                    "unexpected answer {other:?}"
+                ))))
+            }
+            Err(e) => return Ok(Err(NotGranted::Refused(e))),
         };
         if let Err(r) = check_offer(&req, &peer, &terms, &provider_sig, now_ms()) {
-            return Ok(Err(format!("offer refused: {}", r.message)));
+            return Ok(Err(NotGranted::Refused(format!(
+                "offer refused: {}",
+                r.message
+            ))));
         }
         let requester_sig = match terms.sign(&self.keypair) {
             Ok(s) => s,
-            Err(e) => return Ok(Err(e.to_string())),
+            Err(e) => return Ok(Err(NotGranted::Refused(e.to_string()))),
         };
         let accept = LeaseMessage::Accept {
             terms: terms.clone(),
@@ -248,9 +300,13 @@ impl NodeHandle {
         };
         match self.send_lease(peer, addrs, accept).await? {
             Ok(LeaseReply::Activated { lease_id }) if lease_id == terms.lease_id => {}
-            Ok(LeaseReply::Rejected(r)) => return Ok(Err(r.message)),
-            Ok(other) => return Ok(Err(format!("unexpected answer {other:?}"))),
-            Err(e) => return Ok(Err(e)),
+            Ok(LeaseReply::Rejected(r)) => return Ok(Err(NotGranted::Refused(r.message))),
+            Ok(other) => {
+                return Ok(Err(NotGranted::Refused(format!(
+                    "unexpected answer {other:?}"
+                ))))
+            }
+            Err(e) => return Ok(Err(NotGranted::Refused(e))),
         }
         let record = self
             .ask(|reply| Command::RecordLease {
@@ -261,7 +317,9 @@ impl NodeHandle {
             })
             .await?;
         // Both signatures were just checked (the provider's in check_offer, ours made here).
-        Ok(record.map(|r| LeaseView::with_signatures(&r, (true, true))))
+        Ok(record
+            .map(|r| LeaseView::with_signatures(&r, (true, true)))
+            .map_err(NotGranted::Refused))
     }
 
     /// Every lease on this node, either side, newest first.
@@ -538,6 +596,7 @@ mod tests {
             max_price_per_gpu_hour_millicredits: Some(1000),
             sent_at_ms: NOW,
             expires_at_ms: NOW + 30_000,
+            ticket: None,
         };
         let (terms, sig) = book
             .on_request(&req.requester, &req, LeaseId([3; 16]), &provider, NOW)

@@ -118,6 +118,28 @@ enum Bench {
         #[arg(long, default_value_t = 30)]
         runs: usize,
     },
+    /// Replays the Alibaba GPU trace through providers' queues in virtual time, under
+    /// the node's fair rule and under FCFS, and prints the figures of both.
+    TraceReplay {
+        /// Folder with openb_pod_list_default.csv and openb_node_list_gpu_node.csv.
+        #[arg(long, default_value = "../shared/data/traces")]
+        traces: std::path::PathBuf,
+        /// GPUs of the sampled network (every k-th trace node).
+        #[arg(long, default_value_t = 36)]
+        gpus: u32,
+        /// Tenants the jobs are spread over.
+        #[arg(long, default_value_t = 8)]
+        users: u32,
+        /// Only the first N jobs (0 = all).
+        #[arg(long, default_value_t = 0)]
+        jobs: usize,
+        /// Requests each provider places per plan.
+        #[arg(long, default_value_t = 32)]
+        depth: usize,
+        /// Declared timeout as a multiple of the real run time.
+        #[arg(long, default_value_t = 2.0)]
+        overestimate: f64,
+    },
     /// A compute kernel natively and as a wasm task; start time of a cached module.
     SandboxOverhead {
         /// Matrix size of the kernel.
@@ -281,6 +303,41 @@ fn main() -> Result<()> {
             which: Bench::ContainerStart { runs },
         } => {
             for report in testnet::bench_container::container_start(runs)? {
+                println!("{}", serde_json::to_string(&report)?);
+            }
+            Ok(())
+        }
+        Cmd::Bench {
+            which:
+                Bench::TraceReplay {
+                    traces,
+                    gpus,
+                    users,
+                    jobs,
+                    depth,
+                    overestimate,
+                },
+        } => {
+            use testnet::trace_replay as tr;
+            let mut list = tr::load_jobs(&traces.join("openb_pod_list_default.csv"), users)?;
+            if jobs > 0 {
+                list.truncate(jobs);
+            }
+            let nodes = tr::sample_nodes(
+                &tr::load_nodes(&traces.join("openb_node_list_gpu_node.csv"))?,
+                gpus,
+            );
+            for order in [gpunode_sched::Order::Fair, gpunode_sched::Order::Fcfs] {
+                let report = tr::replay(
+                    &list,
+                    &nodes,
+                    order,
+                    tr::ReplayConfig {
+                        depth,
+                        overestimate,
+                        ..tr::ReplayConfig::default()
+                    },
+                );
                 println!("{}", serde_json::to_string(&report)?);
             }
             Ok(())

@@ -316,6 +316,7 @@ async fn hostile_job_requests_are_refused_and_the_provider_keeps_serving() {
             max_price: None,
             exclude: Vec::new(),
             kind: Default::default(),
+            ticket: None,
         })
         .await
         .expect("lease");

@@ -32,6 +32,7 @@ fn spec(peer: Option<String>) -> LeaseSpec {
         max_price: None,
         exclude: Vec::new(),
         kind: Default::default(),
+        ticket: None,
     }
 }
 
@@ -265,6 +266,7 @@ async fn hostile_lease_messages_are_rejected_with_reasons_and_reserve_nothing() 
             max_price_per_gpu_hour_millicredits: None,
             sent_at_ms: now,
             expires_at_ms: now + 30_000,
+            ticket: None,
         }
     };
     let send = |m: LeaseMessage| encoding::encode(&m);

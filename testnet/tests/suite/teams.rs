@@ -31,6 +31,7 @@ fn lease_of(provider: &PeerId) -> LeaseSpec {
         max_price: None,
         exclude: Vec::new(),
         kind: Default::default(),
+        ticket: None,
     }
 }
 

@@ -1,5 +1,6 @@
-//! A job that no provider can take now waits (`--wait`) with the reason each provider
-//! gave, and starts as soon as one can; without `--wait` it fails at once.
+//! A job that no provider can take now waits (`--wait`) in the provider's queue with its
+//! place and the reason, and starts as soon as one can; without `--wait` it fails at
+//! once. When two users flood a provider, the one that used it less is served first.
 
 use std::time::Duration;
 
@@ -57,10 +58,19 @@ async fn a_waiting_job_says_why_and_starts_when_the_gpu_frees() {
     .expect("waiting");
     let waiting = client.handle.get_job(&view.job_id).expect("job");
     assert_eq!(waiting.state, JobState::Waiting);
-    let reasons = waiting.waiting.expect("why").reasons;
+    let why = waiting.waiting.expect("why");
     assert!(
-        reasons.iter().any(|(_, r)| r.contains("no GPU free")),
-        "{reasons:?}"
+        why.reasons
+            .iter()
+            .any(|(_, r)| r.contains("queued: position 1 of 1") && r.contains("GPU 0 is leased")),
+        "{:?}",
+        why.reasons
+    );
+    let (at, place) = why.queue.expect("a place in the provider's queue");
+    assert_eq!(at, provider);
+    assert!(
+        place.estimated_start_ms.is_some_and(|t| t >= held.end_ms),
+        "starts when the holder's lease ends: {place:?}"
     );
     holder
         .handle
@@ -82,5 +92,79 @@ async fn a_waiting_job_says_why_and_starts_when_the_gpu_frees() {
         .is_none());
     holder.shutdown().await;
     client.shutdown().await;
+    net.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_user_with_less_recent_usage_is_served_first() {
+    let net = TestNet::start(TestNetConfig::new(vec![Some("1xA100-80GB".into())]))
+        .await
+        .expect("start");
+    let mut heavy = net.client().await.expect("heavy user");
+    let mut light = net.client().await.expect("light user");
+    for c in [&heavy, &light] {
+        TestNet::wait_for_offers(&c.handle, &OfferFilter::default(), LONG, |o| o.len() == 1)
+            .await
+            .expect("offers");
+    }
+    let provider = net.nodes[0].handle.peer_id().to_string();
+    // The heavy user holds the only GPU for a while: that is its recent usage.
+    let mut spec = bare_lease(&provider, 120_000);
+    spec.gpus = 1;
+    let held = heavy
+        .handle
+        .request_lease(spec)
+        .await
+        .expect("the only GPU");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+
+    // Both flood the provider; the heavy user's jobs are queued first.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut jobs = Vec::new();
+    for (name, client) in [("heavy", &heavy), ("light", &light)] {
+        for i in 0..2 {
+            let mut req = request(task("copy.wat"), &dir.path().join(format!("{name}{i}")));
+            req.gpus = 1;
+            req.wait = Some(true);
+            let view = client.handle.submit_job(req);
+            let mut from = 0;
+            events_until(&client.handle, &view.job_id, &mut from, LONG, |e| {
+                matches!(e, JobEvent::Waiting { queue: Some(_), .. })
+            })
+            .await
+            .expect("queued");
+            jobs.push((name, client.handle.clone(), view.job_id, from));
+        }
+    }
+    heavy
+        .handle
+        .cancel_lease(&held.lease_id)
+        .await
+        .expect("free the GPU");
+    for (name, handle, id, from) in &mut jobs {
+        let events = until_end(handle, id, from).await.expect("end");
+        outcome(&events)
+            .expect("ended")
+            .unwrap_or_else(|e| panic!("{name}'s job failed: {e}"));
+    }
+    // The provider's leases in the order it granted them, after the holder's.
+    let mut granted: Vec<_> = net.nodes[0]
+        .handle
+        .list_leases()
+        .await
+        .expect("leases")
+        .into_iter()
+        .filter(|l| l.lease_id != held.lease_id)
+        .collect();
+    granted.sort_by_key(|l| l.start_ms);
+    let light_peer = light.handle.peer_id().to_string();
+    let order: Vec<bool> = granted.iter().map(|l| l.requester == light_peer).collect();
+    assert_eq!(order.len(), 4, "{granted:?}");
+    assert!(
+        order[0],
+        "the light user's job goes first although the heavy user's were queued earlier: {order:?}"
+    );
+    heavy.shutdown().await;
+    light.shutdown().await;
     net.shutdown().await;
 }

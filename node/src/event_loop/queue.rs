@@ -1,0 +1,163 @@
+//! The provider's queue of lease requests it cannot grant yet: requests are placed with
+//! [`gpunode_sched`] in policy order (team role priority, or credit standing and
+//! reputation outside a team; then fair share by recent usage; then shortest declared
+//! time), and a request is granted only when the plan starts it now, so the GPUs that
+//! free up go to the request ranked first, and short requests fill gaps without delaying
+//! it (backfill).
+
+use gpunode_protocol::lease::{LeaseRequest, QueuePlace, RejectCode, Rejection};
+use gpunode_sched::{FairShare, Order, Queue, Request, Standing, Ticket};
+use libp2p::PeerId;
+
+use super::EventLoop;
+
+/// A place nobody asked for again in this long is dropped (its requester polls every
+/// half second while it waits, or took another provider's offer).
+pub(crate) const QUEUE_STALE_MS: u64 = 3_000;
+/// Usage a day ago counts half in fair share.
+pub(crate) const FAIR_SHARE_HALF_LIFE_MS: u64 = 24 * 3_600_000;
+/// Requests placed per plan (the rest wait without an estimate).
+const PLAN_DEPTH: usize = 64;
+
+/// The queue and the usage it is ordered by.
+pub(crate) struct WaitQueue {
+    queue: Queue,
+    fair: FairShare,
+}
+
+impl WaitQueue {
+    pub(crate) fn new() -> WaitQueue {
+        WaitQueue {
+            queue: Queue::new(Order::Fair, QUEUE_STALE_MS),
+            fair: FairShare::new(FAIR_SHARE_HALF_LIFE_MS),
+        }
+    }
+}
+
+/// What to do with a request that passed admission.
+pub(super) enum Decision {
+    /// Grant it now, on these GPUs if free.
+    Grant(Vec<u32>),
+    /// Not now: its place.
+    Queued(QueuePlace),
+    /// Not now, and it asked not to wait.
+    Refused(Rejection),
+}
+
+fn ticket_of(req: &LeaseRequest) -> (Ticket, bool) {
+    match req.ticket {
+        Some(t) => (Ticket(t), true),
+        // A request without a ticket is placed once, to respect the order, and never
+        // kept.
+        None => (Ticket(req.nonce as u128 | 1 << 127), false),
+    }
+}
+
+impl EventLoop {
+    fn standing_of(&self, peer: &PeerId) -> Standing {
+        match &self.team {
+            Some(team) => Standing {
+                priority: team.priority_of(peer),
+                credit_millicredits: 0,
+                reputation: 1.0,
+            },
+            None => Standing {
+                priority: 0,
+                credit_millicredits: self
+                    .accounts
+                    .standing(peer)
+                    .clamp(i64::MIN as i128, i64::MAX as i128)
+                    as i64,
+                reputation: self.accounts.reputation.score(peer),
+            },
+        }
+    }
+
+    /// Places `req` in the queue and decides whether it starts now.
+    pub(super) fn queue_decision(
+        &mut self,
+        peer: &PeerId,
+        req: &LeaseRequest,
+        now: u64,
+    ) -> Decision {
+        let (ticket, keep) = ticket_of(req);
+        let eligible = self.leases.eligible_gpus(req);
+        if (eligible.len() as u32) < req.requirements.gpus {
+            // This provider can never serve it: the book says why.
+            return Decision::Grant(Vec::new());
+        }
+        let standing = self.standing_of(peer);
+        let waiting = &mut self.waiting;
+        waiting.queue.expire(now);
+        waiting.queue.upsert(
+            Request {
+                ticket,
+                user: peer.to_string(),
+                gpus: req.requirements.gpus,
+                eligible,
+                duration_ms: req.duration_ms,
+                standing,
+            },
+            now,
+        );
+        let plan = waiting
+            .queue
+            .plan(&self.leases.timelines(now), &waiting.fair, now, PLAN_DEPTH);
+        let Some(place) = plan.get(&ticket).cloned() else {
+            return Decision::Grant(Vec::new());
+        };
+        if place.starts_now(now) {
+            return Decision::Grant(place.gpus);
+        }
+        if !keep {
+            waiting.queue.remove(&ticket);
+            return Decision::Refused(match self.leases.capacity_for(peer, req) {
+                Err(r) => r,
+                Ok(()) => Rejection::new(
+                    RejectCode::NoCapacity,
+                    format!(
+                        "the free GPUs are held for {} request(s) waiting ahead of you; ask with --wait to queue",
+                        place.ahead
+                    ),
+                ),
+            });
+        }
+        Decision::Queued(QueuePlace {
+            position: place.position,
+            of: place.of,
+            estimated_start_ms: place.start_ms,
+            reason: place.reason,
+        })
+    }
+
+    /// A queued request was granted: it leaves the queue and its declared GPU time counts
+    /// towards its user's usage (what it does not use is given back when it ends).
+    pub(super) fn queue_granted(&mut self, peer: &PeerId, req: &LeaseRequest, now: u64) {
+        let (ticket, _) = ticket_of(req);
+        self.waiting.queue.remove(&ticket);
+        let gpu_ms = req.requirements.gpus as f64 * req.duration_ms as f64;
+        self.waiting.fair.charge(&peer.to_string(), gpu_ms, now);
+    }
+
+    /// A request was refused for good: it leaves the queue.
+    pub(super) fn queue_refused(&mut self, req: &LeaseRequest) {
+        self.waiting.queue.remove(&ticket_of(req).0);
+    }
+
+    /// A lease we provided ended at `now`: its user gets back the GPU time it was charged
+    /// and did not use.
+    pub(super) fn queue_lease_ended(
+        &mut self,
+        requester: &PeerId,
+        gpus: u32,
+        end_ms: u64,
+        now: u64,
+    ) {
+        let unused = end_ms.saturating_sub(now) as f64 * gpus as f64;
+        if unused > 0.0 {
+            self.waiting
+                .fair
+                .charge(&requester.to_string(), -unused, now);
+        }
+    }
+}

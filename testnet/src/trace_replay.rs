@@ -1,0 +1,427 @@
+//! Replays the Alibaba GPU cluster trace (`../shared/data/traces/`) through providers'
+//! queues, once under the node's fair rule and once under first come first served, on
+//! the same sample of the trace's nodes, in virtual time.
+//!
+//! Each sampled trace node is one provider with its own [`gpunode_sched::Queue`] and
+//! [`gpunode_sched::FairShare`], exactly as a node keeps them. A job, when submitted,
+//! waits at every provider large enough for it (as `gpunode run --wait` asks every
+//! candidate) and starts at the first whose plan starts it now; the others drop it. A job
+//! declares a timeout of twice its real run time (users overestimate) and ends after its
+//! real run time. Virtual time means requesters see changes at once: the network replay
+//! (`testnet bench trace-network`) measures the same rules with real nodes and polling.
+
+use std::collections::{BTreeSet, HashMap};
+use std::path::Path;
+
+use anyhow::{bail, Context};
+use gpunode_sched::{FairShare, GpuTimeline, Order, Queue, Request, Standing, Ticket};
+use serde::Serialize;
+
+/// One job of the trace.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TraceJob {
+    /// The trace's pod name.
+    pub name: String,
+    /// Submit time, ms from the trace's start.
+    pub submit_ms: u64,
+    /// Real run time, ms.
+    pub run_ms: u64,
+    /// Whole GPUs (a fractional request counts as one GPU).
+    pub gpus: u32,
+    /// Tenant, assigned from a hash of the name.
+    pub user: String,
+}
+
+/// One GPU node of the trace.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TraceNode {
+    /// The trace's serial.
+    pub name: String,
+    /// GPUs.
+    pub gpus: u32,
+    /// GPU model.
+    pub model: String,
+}
+
+fn columns(header: &str, wanted: &[&str]) -> anyhow::Result<Vec<usize>> {
+    let names: Vec<&str> = header.trim().split(',').collect();
+    wanted
+        .iter()
+        .map(|w| {
+            names
+                .iter()
+                .position(|n| n == w)
+                .with_context(|| format!("the trace has no '{w}' column"))
+        })
+        .collect()
+}
+
+/// FNV-1a, so users are the same on every machine.
+fn user_of(name: &str, users: u32) -> String {
+    let mut h: u64 = 0xcbf29ce484222325;
+    for b in name.bytes() {
+        h ^= b as u64;
+        h = h.wrapping_mul(0x100000001b3);
+    }
+    format!("user{}", h % users.max(1) as u64)
+}
+
+/// The jobs that ran on GPUs (scheduled, with a deletion time and at least one GPU),
+/// by submit time; users assigned round a hash of the name.
+pub fn load_jobs(path: &Path, users: u32) -> anyhow::Result<Vec<TraceJob>> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let mut lines = text.lines();
+    let header = lines.next().context("the trace is empty")?;
+    let c = columns(
+        header,
+        &[
+            "name",
+            "num_gpu",
+            "creation_time",
+            "scheduled_time",
+            "deletion_time",
+        ],
+    )?;
+    let mut jobs = Vec::new();
+    for (n, line) in lines.enumerate() {
+        let f: Vec<&str> = line.split(',').collect();
+        let field = |i: usize| f.get(c[i]).copied().unwrap_or("").trim();
+        let num = |i: usize| -> anyhow::Result<Option<u64>> {
+            let v = field(i);
+            if v.is_empty() {
+                return Ok(None);
+            }
+            v.parse()
+                .map(Some)
+                .with_context(|| format!("line {}: '{v}' is not a number", n + 2))
+        };
+        let (Some(gpus), Some(created), Some(scheduled), Some(deleted)) =
+            (num(1)?, num(2)?, num(3)?, num(4)?)
+        else {
+            continue;
+        };
+        if gpus == 0 || deleted <= scheduled {
+            continue;
+        }
+        jobs.push(TraceJob {
+            name: field(0).to_string(),
+            submit_ms: created * 1000,
+            run_ms: (deleted - scheduled) * 1000,
+            gpus: gpus as u32,
+            user: user_of(field(0), users),
+        });
+    }
+    jobs.sort_by_key(|j| j.submit_ms);
+    if jobs.is_empty() {
+        bail!("{} holds no GPU job that ran", path.display());
+    }
+    Ok(jobs)
+}
+
+/// The trace's GPU nodes.
+pub fn load_nodes(path: &Path) -> anyhow::Result<Vec<TraceNode>> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let mut lines = text.lines();
+    let header = lines.next().context("the node list is empty")?;
+    let c = columns(header, &["sn", "gpu", "model"])?;
+    let mut nodes = Vec::new();
+    for (n, line) in lines.enumerate() {
+        let f: Vec<&str> = line.split(',').collect();
+        let field = |i: usize| f.get(c[i]).copied().unwrap_or("").trim();
+        let gpus: u32 = field(1)
+            .parse()
+            .with_context(|| format!("node line {}: bad gpu count '{}'", n + 2, field(1)))?;
+        if gpus > 0 {
+            nodes.push(TraceNode {
+                name: field(0).to_string(),
+                gpus,
+                model: field(2).to_string(),
+            });
+        }
+    }
+    Ok(nodes)
+}
+
+/// A scaled sample of the node list with about `target_gpus` GPUs: every k-th node (k =
+/// the trace's GPUs / `target_gpus`), so the mix of node sizes is the trace's.
+pub fn sample_nodes(nodes: &[TraceNode], target_gpus: u32) -> Vec<TraceNode> {
+    let total: u32 = nodes.iter().map(|n| n.gpus).sum();
+    let stride = (total as f64 / target_gpus.max(1) as f64).max(1.0);
+    let mut out = Vec::new();
+    let mut at = 0.0;
+    while (at as usize) < nodes.len() {
+        out.push(nodes[at as usize].clone());
+        at += stride;
+    }
+    out
+}
+
+/// The figures of one replay.
+#[derive(Debug, Clone, Serialize)]
+pub struct ReplayReport {
+    /// `fair` or `fcfs`.
+    pub order: &'static str,
+    /// Jobs replayed.
+    pub jobs: usize,
+    /// Providers.
+    pub nodes: usize,
+    /// GPUs in all.
+    pub gpus: u32,
+    /// Busy GPU time over all GPU time, counted only while some job waited.
+    pub utilization_while_waiting: f64,
+    /// Busy GPU time over the GPU time a waiting job could have used (GPUs of nodes
+    /// large enough for some waiting job), while some job waited.
+    pub usable_utilization_while_waiting: f64,
+    /// Mean wait, trace seconds.
+    pub mean_wait_s: f64,
+    /// 95th percentile wait, trace seconds.
+    pub p95_wait_s: f64,
+    /// Mean completion time (wait + run), trace seconds.
+    pub mean_jct_s: f64,
+    /// Jain's fairness index over users of (run time / time in system), 1 = fair.
+    pub jain_index: f64,
+    /// Jobs that never started (larger than any node).
+    pub unplaced: usize,
+}
+
+struct Provider {
+    queue: Queue,
+    fair: FairShare,
+    /// When each GPU's lease ends (declared), or 0 when free.
+    lease_end: Vec<u64>,
+    /// Which job each GPU runs.
+    running: Vec<Option<usize>>,
+}
+
+/// Knobs of a replay.
+#[derive(Debug, Clone, Copy)]
+pub struct ReplayConfig {
+    /// Declared timeout = real run time x this.
+    pub overestimate: f64,
+    /// Fair-share half-life, trace ms.
+    pub half_life_ms: u64,
+    /// Requests placed per plan.
+    pub depth: usize,
+}
+
+impl Default for ReplayConfig {
+    fn default() -> Self {
+        ReplayConfig {
+            overestimate: 2.0,
+            half_life_ms: 24 * 3_600_000,
+            depth: 32,
+        }
+    }
+}
+
+/// Replays `jobs` on `nodes` with every provider ordering its queue by `order`.
+pub fn replay(
+    jobs: &[TraceJob],
+    nodes: &[TraceNode],
+    order: Order,
+    cfg: ReplayConfig,
+) -> ReplayReport {
+    let mut providers: Vec<Provider> = nodes
+        .iter()
+        .map(|n| Provider {
+            queue: Queue::new(order, u64::MAX),
+            fair: FairShare::new(cfg.half_life_ms),
+            lease_end: vec![0; n.gpus as usize],
+            running: vec![None; n.gpus as usize],
+        })
+        .collect();
+    let total_gpus: u32 = nodes.iter().map(|n| n.gpus).sum();
+    let declared = |j: &TraceJob| {
+        ((j.run_ms as f64 * cfg.overestimate) as u64)
+            .max(j.run_ms)
+            .max(1000)
+    };
+    let mut start: Vec<Option<u64>> = vec![None; jobs.len()];
+    // (end, provider, job)
+    let mut ends: BTreeSet<(u64, usize, usize)> = BTreeSet::new();
+    let mut waiting: BTreeSet<usize> = BTreeSet::new();
+    let mut queued_at: HashMap<usize, Vec<usize>> = HashMap::new();
+    let mut next_job = 0;
+    let mut now = 0u64;
+    let (mut busy_area, mut total_area) = (0f64, 0f64);
+    let (mut usable_area, mut usable_busy_area) = (0f64, 0f64);
+    let mut busy = 0u32;
+    loop {
+        let next_arrival = jobs.get(next_job).map(|j| j.submit_ms);
+        let next_end = ends.first().map(|e| e.0);
+        let t = match (next_arrival, next_end) {
+            (None, None) => break,
+            (a, e) => a.unwrap_or(u64::MAX).min(e.unwrap_or(u64::MAX)),
+        };
+        if !waiting.is_empty() {
+            let dt = (t - now) as f64;
+            busy_area += busy as f64 * dt;
+            total_area += total_gpus as f64 * dt;
+            let need = waiting.iter().map(|j| jobs[*j].gpus).min().unwrap_or(0);
+            let (mut usable, mut usable_busy) = (0u32, 0u32);
+            for (node, prov) in nodes.iter().zip(&providers) {
+                if node.gpus >= need {
+                    usable += node.gpus;
+                    usable_busy += prov.running.iter().filter(|r| r.is_some()).count() as u32;
+                }
+            }
+            usable_area += usable as f64 * dt;
+            usable_busy_area += usable_busy as f64 * dt;
+        }
+        now = t;
+        while let Some(&(end, p, j)) = ends.first() {
+            if end > now {
+                break;
+            }
+            ends.pop_first();
+            let prov = &mut providers[p];
+            for g in 0..prov.running.len() {
+                if prov.running[g] == Some(j) {
+                    prov.running[g] = None;
+                    prov.lease_end[g] = 0;
+                    busy -= 1;
+                }
+            }
+            // Charged the declared time at the start; give back what was not used.
+            let unused = declared(&jobs[j]).saturating_sub(jobs[j].run_ms);
+            prov.fair
+                .charge(&jobs[j].user, -((unused * jobs[j].gpus as u64) as f64), now);
+        }
+        while let Some(job) = jobs.get(next_job) {
+            if job.submit_ms > now {
+                break;
+            }
+            let mut at = Vec::new();
+            for (p, node) in nodes.iter().enumerate() {
+                if node.gpus >= job.gpus {
+                    providers[p].queue.upsert(
+                        Request {
+                            ticket: Ticket(next_job as u128),
+                            user: job.user.clone(),
+                            gpus: job.gpus,
+                            eligible: (0..node.gpus).collect(),
+                            duration_ms: declared(job),
+                            standing: Standing::default(),
+                        },
+                        now,
+                    );
+                    at.push(p);
+                }
+            }
+            if !at.is_empty() {
+                waiting.insert(next_job);
+                queued_at.insert(next_job, at);
+            }
+            next_job += 1;
+        }
+        // Providers start what their plans start now, until nothing changes.
+        loop {
+            let mut started_any = false;
+            for p in 0..providers.len() {
+                if providers[p].queue.is_empty() {
+                    continue;
+                }
+                let timeline: Vec<GpuTimeline> = providers[p]
+                    .lease_end
+                    .iter()
+                    .enumerate()
+                    .map(|(g, end)| GpuTimeline {
+                        index: g as u32,
+                        free_at: Some((*end).max(now).min(u64::MAX / 4)),
+                        reserved: Vec::new(),
+                    })
+                    .collect();
+                let plan = providers[p]
+                    .queue
+                    .plan(&timeline, &providers[p].fair, now, cfg.depth);
+                for place in plan.starting_now(now) {
+                    let j = place.ticket.0 as usize;
+                    if start[j].is_some() {
+                        continue;
+                    }
+                    start[j] = Some(now);
+                    waiting.remove(&j);
+                    for q in queued_at.remove(&j).unwrap_or_default() {
+                        providers[q].queue.remove(&place.ticket);
+                    }
+                    let job = &jobs[j];
+                    let prov = &mut providers[p];
+                    for g in &place.gpus {
+                        prov.running[*g as usize] = Some(j);
+                        prov.lease_end[*g as usize] = now + declared(job);
+                        busy += 1;
+                    }
+                    prov.fair
+                        .charge(&job.user, (declared(job) * job.gpus as u64) as f64, now);
+                    ends.insert((now + job.run_ms, p, j));
+                    started_any = true;
+                }
+            }
+            if !started_any {
+                break;
+            }
+        }
+    }
+    let mut waits = Vec::new();
+    let mut per_user: HashMap<&str, Vec<f64>> = HashMap::new();
+    let mut jct_sum = 0.0;
+    let mut unplaced = 0;
+    for (j, job) in jobs.iter().enumerate() {
+        let Some(s) = start[j] else {
+            unplaced += 1;
+            continue;
+        };
+        let wait = (s - job.submit_ms) as f64 / 1000.0;
+        let run = job.run_ms as f64 / 1000.0;
+        waits.push(wait);
+        jct_sum += wait + run;
+        per_user
+            .entry(&job.user)
+            .or_default()
+            .push(run / (wait + run));
+    }
+    waits.sort_by(f64::total_cmp);
+    let n = waits.len().max(1) as f64;
+    let xs: Vec<f64> = per_user
+        .values()
+        .map(|v| v.iter().sum::<f64>() / v.len() as f64)
+        .collect();
+    let jain = {
+        let s: f64 = xs.iter().sum();
+        let s2: f64 = xs.iter().map(|x| x * x).sum();
+        if s2 == 0.0 {
+            1.0
+        } else {
+            s * s / (xs.len() as f64 * s2)
+        }
+    };
+    ReplayReport {
+        order: match order {
+            Order::Fair => "fair",
+            Order::Fcfs => "fcfs",
+        },
+        jobs: jobs.len(),
+        nodes: nodes.len(),
+        gpus: total_gpus,
+        utilization_while_waiting: if total_area > 0.0 {
+            busy_area / total_area
+        } else {
+            1.0
+        },
+        usable_utilization_while_waiting: if usable_area > 0.0 {
+            usable_busy_area / usable_area
+        } else {
+            1.0
+        },
+        mean_wait_s: waits.iter().sum::<f64>() / n,
+        p95_wait_s: waits
+            .get(((waits.len() as f64 * 0.95) as usize).min(waits.len().saturating_sub(1)))
+            .copied()
+            .unwrap_or(0.0),
+        mean_jct_s: jct_sum / n,
+        jain_index: jain,
+        unplaced,
+    }
+}
