@@ -16,7 +16,7 @@ use gpunode_protocol::units::{parse_bytes, parse_duration};
 use crate::output;
 use crate::{
     Cli, Command, LeaseCancelArgs, LeaseCommand, LeaseRenewArgs, LeaseRequestArgs, LeasesArgs,
-    NetworkArgs, OffersArgs, ServeArgs, StatusArgs,
+    NetworkArgs, OffersArgs, ReservationAction, ReservationsArgs, ServeArgs, StatusArgs,
 };
 use gpunode_node::api::RenewBody;
 use gpunode_node::{CancelOutcome, LeaseSpec, LeaseView, NodeHandle};
@@ -35,6 +35,18 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
         Command::Lease(LeaseCommand::Renew(args)) => lease_renew(data_dir, config, args).await,
         Command::Lease(LeaseCommand::Cancel(args)) => lease_cancel(data_dir, config, args).await,
         Command::Leases(args) => leases(data_dir, config, args).await,
+        Command::Reserve(args) => lease_request(data_dir, config, args.into()).await,
+        Command::Reservations(ReservationsArgs {
+            action: Some(ReservationAction::Cancel(args)),
+            ..
+        }) => lease_cancel(data_dir, config, args).await,
+        Command::Reservations(ReservationsArgs {
+            action: Some(ReservationAction::Renew(args)),
+            ..
+        }) => lease_renew(data_dir, config, args).await,
+        Command::Reservations(ReservationsArgs { action: None, json }) => {
+            reservations(data_dir, config, json).await
+        }
         Command::Run(args) => crate::jobs::run(data_dir, config, args).await,
         Command::Jobs(args) => crate::jobs::jobs(data_dir, args.json).await,
         Command::Logs(args) => crate::jobs::logs(data_dir, args).await,
@@ -338,7 +350,23 @@ async fn lease_request(
             gpunode_protocol::team::JobKind::Interactive
         },
         ticket: None,
+        start_at_ms: args
+            .at
+            .as_deref()
+            .map(|t| {
+                gpunode_protocol::time::parse_utc(t)
+                    .map_err(|e| anyhow::anyhow!("invalid --at: {e}"))
+            })
+            .transpose()?,
     };
+    if let Some(at) = spec.start_at_ms {
+        if at <= gpunode_protocol::time::now_ms() {
+            anyhow::bail!(
+                "invalid --at: {} is not in the future",
+                gpunode_protocol::time::format_utc(at)
+            );
+        }
+    }
     if spec.duration_ms == 0 {
         anyhow::bail!("invalid --duration: a lease must last longer than 0");
     }
@@ -429,18 +457,39 @@ pub(crate) async fn offline_node(data_dir: DataDir, config: NodeConfig) -> Resul
         .context("cannot open this node's store")
 }
 
-async fn leases(data_dir: DataDir, config: NodeConfig, args: LeasesArgs) -> Result<ExitCode> {
+/// Every lease, from the daemon or (when none runs) the store.
+async fn lease_list(data_dir: DataDir, config: NodeConfig) -> Result<Vec<LeaseView>> {
     let client = ApiClient::new(&data_dir.api_socket());
-    let views: Vec<LeaseView> = if client.is_running().await {
-        client.get_json("/v1/leases").await?
-    } else {
-        let node = offline_node(data_dir, config).await?;
-        let r = node.handle().list_leases().await;
-        node.shutdown().await;
-        r?
-    };
+    if client.is_running().await {
+        return Ok(client.get_json("/v1/leases").await?);
+    }
+    let node = offline_node(data_dir, config).await?;
+    let r = node.handle().list_leases().await;
+    node.shutdown().await;
+    Ok(r?)
+}
+
+async fn leases(data_dir: DataDir, config: NodeConfig, args: LeasesArgs) -> Result<ExitCode> {
+    let views = lease_list(data_dir, config).await?;
     if args.json {
         print_json(&views)?;
+    } else {
+        output::print_leases(&mut std::io::stdout().lock(), &views)?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `gpunode reservations`: leases that start later.
+async fn reservations(data_dir: DataDir, config: NodeConfig, json: bool) -> Result<ExitCode> {
+    let views: Vec<LeaseView> = lease_list(data_dir, config)
+        .await?
+        .into_iter()
+        .filter(|l| l.state == gpunode_node::lease::LeaseState::Reserved)
+        .collect();
+    if json {
+        print_json(&views)?;
+    } else if views.is_empty() {
+        println!("No reservations. Book GPUs for later with `gpunode reserve --gpus 1 --at \"YYYY-MM-DD HH:MM\" --for 2h`.");
     } else {
         output::print_leases(&mut std::io::stdout().lock(), &views)?;
     }

@@ -170,6 +170,7 @@ fn job_request(args: &RunArgs) -> Result<JobRequest> {
         retries: args.retries,
         fuel: args.fuel,
         replicas: args.replicas,
+        reservation: args.reservation.clone(),
         wait: match (args.wait, args.no_wait) {
             (true, _) => Some(true),
             (_, true) => Some(false),

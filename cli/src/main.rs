@@ -46,6 +46,11 @@ enum Command {
     Lease(LeaseCommand),
     /// List leases on this node, as provider and as requester.
     Leases(LeasesArgs),
+    /// Book GPUs for later: a signed lease that starts at --at and lasts --for; run jobs
+    /// in it with `gpunode run --reservation ID`.
+    Reserve(ReserveArgs),
+    /// List your reservations (leases that start later); cancel or renew one.
+    Reservations(ReservationsArgs),
     /// Run a WASI task (.wasm or .wat) on a provider: output streams back live, output
     /// files land in --output, and the exit code is the task's.
     Run(RunArgs),
@@ -237,6 +242,10 @@ struct RunArgs {
     /// Fail at once when no provider can take the job now [default outside a team].
     #[arg(long)]
     no_wait: bool,
+    /// Run inside this reservation (id or prefix, see `gpunode reservations`), waiting for
+    /// its start.
+    #[arg(long, value_name = "ID", conflicts_with_all = ["peer", "replicas"])]
+    reservation: Option<String>,
     /// Submit to the daemon, print the job id and return.
     #[arg(long)]
     detach: bool,
@@ -329,6 +338,86 @@ struct LeaseRequestArgs {
     /// Unattended batch work (team policies may allow it only at some hours).
     #[arg(long)]
     batch: bool,
+    /// Start later (a reservation): "2026-12-01 20:00" (UTC), or with +01:00 or Z.
+    #[arg(long, value_name = "TIME")]
+    at: Option<String>,
+}
+
+#[derive(Debug, Args)]
+struct ReserveArgs {
+    #[command(flatten)]
+    net: NetworkArgs,
+    /// Ask this provider only (peer id).
+    #[arg(long, value_name = "PEER")]
+    peer: Option<String>,
+    /// Number of GPUs.
+    #[arg(long, default_value_t = 1)]
+    gpus: u32,
+    /// GPU model or family, e.g. H100.
+    #[arg(long, value_name = "MODEL")]
+    gpu_model: Option<String>,
+    /// Least memory per GPU, e.g. 24G.
+    #[arg(long, value_name = "SIZE")]
+    min_gpu_mem: Option<String>,
+    /// CPU cores.
+    #[arg(long, default_value_t = 1)]
+    cpus: u32,
+    /// RAM, e.g. 16G.
+    #[arg(long, value_name = "SIZE", default_value = "1G")]
+    mem: String,
+    /// Executor: wasm or container.
+    #[arg(long, default_value = "wasm")]
+    backend: String,
+    /// When it starts: "2026-12-01 20:00" (UTC), or with +01:00 or Z.
+    #[arg(long, value_name = "TIME")]
+    at: String,
+    /// How long, e.g. 3h.
+    #[arg(long = "for", value_name = "DURATION")]
+    length: String,
+    /// Highest acceptable price, credits per GPU-hour.
+    #[arg(long, value_name = "CREDITS")]
+    max_price: Option<f64>,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+impl From<ReserveArgs> for LeaseRequestArgs {
+    fn from(r: ReserveArgs) -> LeaseRequestArgs {
+        LeaseRequestArgs {
+            net: r.net,
+            peer: r.peer,
+            gpus: r.gpus,
+            gpu_model: r.gpu_model,
+            gpu_slice: None,
+            min_gpu_mem: r.min_gpu_mem,
+            cpus: r.cpus,
+            mem: r.mem,
+            duration: r.length,
+            max_price: r.max_price,
+            backend: r.backend,
+            json: r.json,
+            batch: false,
+            at: Some(r.at),
+        }
+    }
+}
+
+#[derive(Debug, Args)]
+struct ReservationsArgs {
+    #[command(subcommand)]
+    action: Option<ReservationAction>,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, Subcommand)]
+enum ReservationAction {
+    /// Give a reservation back (before or during it).
+    Cancel(LeaseCancelArgs),
+    /// Make a reservation longer.
+    Renew(LeaseRenewArgs),
 }
 
 #[derive(Debug, Args)]

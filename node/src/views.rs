@@ -222,6 +222,9 @@ pub struct LeaseSpec {
     /// Wait in providers' queues under this ticket when they cannot grant now.
     #[serde(default)]
     pub ticket: Option<u128>,
+    /// Start at this later time (a reservation); `None`: now.
+    #[serde(default)]
+    pub start_at_ms: Option<u64>,
 }
 
 /// The outcome of a cancellation.

@@ -24,6 +24,11 @@ pub const RENEW_SIGNING_TAG: &[u8] = b"gpunode/lease-renew/v1\0";
 pub const CANCEL_SIGNING_TAG: &[u8] = b"gpunode/lease-cancel/v1\0";
 /// Version of the lease protocol messages.
 pub const LEASE_VERSION: u16 = 1;
+/// A lease asked to start later than this after the request is a reservation: it holds
+/// its GPUs only from its start, and its offer must start exactly when asked. Longer
+/// than a provider's offer window (10 s by default), so an offer for a reservation
+/// never holds GPUs now.
+pub const RESERVATION_MIN_LEAD_MS: u64 = 15_000;
 /// Largest lease protocol message, either direction.
 pub const MAX_LEASE_MESSAGE_BYTES: usize = 64 * 1024;
 
@@ -102,6 +107,8 @@ pub struct LeaseRequest {
     /// The requester's place in the provider's queue, kept across asks: a request that
     /// cannot be granted now waits in the queue under this ticket (`None`: do not queue).
     pub ticket: Option<u128>,
+    /// Start later than now (a reservation), provider's clock; `None`: now.
+    pub start_at_ms: Option<UnixMillis>,
 }
 
 /// A GPU named in a lease.

@@ -216,6 +216,7 @@ pub async fn lease(
         exclude: Vec::new(),
         kind: Default::default(),
         ticket: None,
+        start_at_ms: None,
     };
     let mut clients = Vec::with_capacity(requesters.max(1));
     for _ in 0..requesters.max(1) {

@@ -29,6 +29,7 @@ pub fn request(module: PathBuf, output_dir: &Path) -> JobRequest {
         gpu_model: None,
         gpu_slice: None,
         wait: None,
+        reservation: None,
         cpus: 1,
         mem_bytes: 256 << 20,
         timeout_ms: 60_000,

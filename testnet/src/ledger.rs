@@ -36,6 +36,7 @@ pub fn bare_lease(provider: &str, duration_ms: u64) -> LeaseSpec {
         exclude: Vec::new(),
         kind: Default::default(),
         ticket: None,
+        start_at_ms: None,
     }
 }
 

@@ -83,10 +83,12 @@ impl EventLoop {
             InboundLease::Invalid(r) => LeaseReply::Rejected(r),
             InboundLease::Message(LeaseMessage::Request(req)) => {
                 let id = LeaseId(rand::random());
+                // A reservation is judged by the hours it will run in.
+                let start = req.start_at_ms.filter(|at| *at > now).unwrap_or(now);
                 let hours = self
                     .owner
                     .lending
-                    .check(req.duration_ms, now)
+                    .check(req.duration_ms, start)
                     .map_err(|m| Rejection::new(RejectCode::LendingHours, m));
                 let policy = hours.and_then(|()| match &self.team {
                     Some(team) => team
@@ -95,7 +97,7 @@ impl EventLoop {
                             req.requirements.kind,
                             req.requirements.gpus,
                             req.duration_ms,
-                            now,
+                            start,
                         )
                         .map_err(|m| Rejection::new(RejectCode::TeamPolicy, m)),
                     None => Ok(()),

@@ -81,6 +81,14 @@ impl EventLoop {
         now: u64,
     ) -> Decision {
         let (ticket, keep) = ticket_of(req);
+        if req
+            .start_at_ms
+            .is_some_and(|at| at > now + gpunode_protocol::lease::RESERVATION_MIN_LEAD_MS)
+        {
+            // A reservation books the future; the book checks it against other
+            // reservations and present leases.
+            return Decision::Grant(Vec::new());
+        }
         let eligible = self.leases.eligible_gpus(req);
         if (eligible.len() as u32) < req.requirements.gpus {
             // This provider can never serve it: the book says why.
@@ -111,7 +119,7 @@ impl EventLoop {
         }
         if !keep {
             waiting.queue.remove(&ticket);
-            return Decision::Refused(match self.leases.capacity_for(peer, req) {
+            return Decision::Refused(match self.leases.capacity_for(peer, req, now) {
                 Err(r) => r,
                 Ok(()) => Rejection::new(
                     RejectCode::NoCapacity,

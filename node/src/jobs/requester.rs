@@ -48,6 +48,9 @@ const MAX_WAIT_POLL: Duration = Duration::from_secs(10);
 /// How often a job waiting in providers' queues asks again (well inside the time a
 /// provider keeps a place that nobody asks for: `QUEUE_STALE_MS`).
 const QUEUED_POLL: Duration = Duration::from_millis(500);
+/// How long after a reservation's start its job is sent (the provider activates it at
+/// its next tick).
+const RESERVATION_START_MARGIN_MS: u64 = 300;
 /// How long a cancelled job may take to report back.
 const CANCEL_GRACE: Duration = Duration::from_secs(5);
 
@@ -122,6 +125,9 @@ pub struct JobRequest {
     /// once (`false`). `None`: wait inside a team, fail fast outside one.
     #[serde(default)]
     pub wait: Option<bool>,
+    /// Run inside this reservation (lease id or prefix) instead of finding a provider.
+    #[serde(default)]
+    pub reservation: Option<String>,
 }
 
 /// Why a waiting job is not running: what each provider asked said.
@@ -411,8 +417,16 @@ impl NodeHandle {
                 exclude: exclude.clone(),
                 kind: req.kind,
                 ticket: wait.then_some(ticket),
+                start_at_ms: None,
             };
-            let lease = match self.request_lease(spec).await {
+            let asked = match &req.reservation {
+                Some(prefix) => self
+                    .reserved_lease(prefix, req, events, cancel)
+                    .await?
+                    .map_err(LeaseError::Invalid),
+                None => self.request_lease(spec).await,
+            };
+            let lease = match asked {
                 Ok(l) => l,
                 Err(e) if attempt == 1 && wait && waitable(&e) => {
                     let reasons = wait_reasons(&e);
@@ -471,11 +485,14 @@ impl NodeHandle {
             self.observe(lease_key, &lease.provider, &outcome, started.elapsed());
             // The job is over on this lease either way: release the provider's resources
             // (in the background, so a dead provider does not hold up the retry).
-            let node = self.clone();
-            let lease_id = lease.lease_id.clone();
-            tokio::spawn(async move {
-                let _ = node.cancel_lease(&lease_id).await;
-            });
+            // A reservation stays for the next job in it.
+            if req.reservation.is_none() {
+                let node = self.clone();
+                let lease_id = lease.lease_id.clone();
+                tokio::spawn(async move {
+                    let _ = node.cancel_lease(&lease_id).await;
+                });
+            }
             match outcome {
                 Attempt::Done(report) => {
                     let wall_ms = started.elapsed().as_millis() as u64;
@@ -484,6 +501,10 @@ impl NodeHandle {
                     let gpus = lease.gpus.len().max(1) as f64;
                     let mut cost = lease.price_per_gpu_hour * gpus * wall_ms as f64 / 3_600_000.0;
                     let receipt = match lease_key {
+                        // Settled once, for the whole reservation, when it ends.
+                        Some(_) if req.reservation.is_some() => {
+                            "at the reservation's end".to_string()
+                        }
                         Some(id) => match self.accounts().wait_receipt(&id, RECEIPT_WAIT).await {
                             ReceiptStatus::Settled(r) => {
                                 cost = crate::ledger::credits(r.receipt.amount_millicredits);
@@ -514,7 +535,11 @@ impl NodeHandle {
                     });
                 }
                 Attempt::Fatal(why) => return Err(JobError::Failed(why)),
-                Attempt::Retry(why) if attempt <= req.retries && req.peer.is_none() => {
+                Attempt::Retry(why)
+                    if attempt <= req.retries
+                        && req.peer.is_none()
+                        && req.reservation.is_none() =>
+                {
                     events(JobEvent::Retrying {
                         provider: lease.provider.clone(),
                         reason: why,
@@ -530,6 +555,76 @@ impl NodeHandle {
                 }
             }
         }
+    }
+
+    /// The reservation `prefix` names, once it has started (waiting for its start, and
+    /// saying so); the inner error says why it cannot be used.
+    async fn reserved_lease(
+        &self,
+        prefix: &str,
+        req: &JobRequest,
+        events: &mut (dyn FnMut(JobEvent) + Send),
+        cancel: &mut watch::Receiver<bool>,
+    ) -> Result<Result<crate::views::LeaseView, String>, JobError> {
+        use crate::lease::{LeaseRole, LeaseState};
+        let leases = self
+            .list_leases()
+            .await
+            .map_err(|e| JobError::Failed(e.to_string()))?;
+        let found: Vec<_> = leases
+            .into_iter()
+            .filter(|l| l.role == LeaseRole::Requester && l.lease_id.starts_with(prefix.trim()))
+            .collect();
+        let lease = match found.as_slice() {
+            [one] => one.clone(),
+            [] => {
+                return Ok(Err(format!(
+                    "no reservation {prefix} of yours here; `gpunode reservations` lists them"
+                )))
+            }
+            _ => {
+                return Ok(Err(format!(
+                    "'{prefix}' starts more than one lease id; give more of it"
+                )))
+            }
+        };
+        if !matches!(lease.state, LeaseState::Reserved | LeaseState::Active) {
+            return Ok(Err(format!(
+                "reservation {} is {}; book another with `gpunode reserve`",
+                lease.lease_id,
+                lease.state.label()
+            )));
+        }
+        let start = lease.start_ms.max(now_ms());
+        if start + req.timeout_ms > lease.end_ms {
+            return Ok(Err(format!(
+                "reservation {} ends at {}, before a job started then could use its --timeout of {} s; renew it (`gpunode reservations renew`) or give a shorter --timeout",
+                lease.lease_id,
+                gpunode_protocol::time::format_utc(lease.end_ms),
+                req.timeout_ms / 1000
+            )));
+        }
+        let wait_ms = lease.start_ms.saturating_sub(now_ms());
+        if wait_ms > 0 {
+            events(JobEvent::Waiting {
+                reasons: vec![(
+                    lease.provider.clone(),
+                    format!(
+                        "it runs in reservation {}, which starts at {}",
+                        lease.lease_id,
+                        gpunode_protocol::time::format_utc(lease.start_ms)
+                    ),
+                )],
+                queue: None,
+            });
+            // A little past the start, so the provider has activated it.
+            let until = Duration::from_millis(wait_ms + RESERVATION_START_MARGIN_MS);
+            tokio::select! {
+                _ = tokio::time::sleep(until) => {}
+                _ = cancel.wait_for(|c| *c) => return Err(JobError::Cancelled),
+            }
+        }
+        Ok(Ok(lease))
     }
 
     /// Notes what this attempt used (for checking the provider's receipt) and what it

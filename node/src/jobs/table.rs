@@ -341,6 +341,7 @@ mod tests {
             gpu_model: None,
             gpu_slice: None,
             wait: None,
+            reservation: None,
             cpus: 1,
             mem_bytes: 0,
             timeout_ms: 1000,

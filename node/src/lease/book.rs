@@ -9,7 +9,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use gpunode_protocol::advert::OfferFilter;
 use gpunode_protocol::lease::{
     Cancellation, LeaseId, LeaseRequest, LeaseTerms, LeasedGpu, RejectCode, Rejection, Renewal,
-    LEASE_VERSION,
+    LEASE_VERSION, RESERVATION_MIN_LEAD_MS,
 };
 use gpunode_protocol::signing;
 use gpunode_protocol::time::{UnixMillis, MAX_CLOCK_SKEW_MS};
@@ -45,12 +45,17 @@ pub enum LeaseState {
     Cancelled,
     /// Could not be set up or broke.
     Failed,
+    /// Signed by both, starting later (a reservation); becomes active at its start.
+    Reserved,
 }
 
 impl LeaseState {
     /// Whether the lease holds resources.
     pub fn holds_resources(self) -> bool {
-        matches!(self, LeaseState::Offered | LeaseState::Active)
+        matches!(
+            self,
+            LeaseState::Offered | LeaseState::Active | LeaseState::Reserved
+        )
     }
 
     /// A word for tables.
@@ -62,6 +67,7 @@ impl LeaseState {
             LeaseState::Expired => "expired",
             LeaseState::Cancelled => "cancelled",
             LeaseState::Failed => "failed",
+            LeaseState::Reserved => "reserved",
         }
     }
 }
@@ -172,15 +178,49 @@ struct Totals {
     exposure: HashMap<PeerId, u64>,
     /// Active leases, either side.
     active: usize,
+    /// When the present lease on each GPU (by UUID) ends.
+    busy_until: HashMap<String, UnixMillis>,
+    /// Reservations we provide (offered or signed, not yet started): GPUs, start, end.
+    reserved: HashMap<LeaseId, (Vec<String>, UnixMillis, UnixMillis)>,
 }
 
 fn deadline_of(l: &LeaseRecord) -> Option<UnixMillis> {
     match l.state {
         LeaseState::Offered => Some(l.terms.offer_expires_ms + 1),
         LeaseState::Active => Some(l.terms.end_ms),
+        LeaseState::Reserved => Some(l.terms.start_ms),
         _ => None,
     }
 }
+
+/// Whether a lease holds its GPUs only later (an offered or signed reservation), not now.
+fn is_future(l: &LeaseRecord) -> bool {
+    match l.state {
+        LeaseState::Reserved => true,
+        LeaseState::Offered => l.terms.start_ms > l.terms.offer_expires_ms,
+        _ => false,
+    }
+}
+
+/// The first `n` of `slots`, as named in lease terms.
+fn first_leased<'a>(
+    slots: impl IntoIterator<Item = &'a super::policy::GpuSlot>,
+    n: u32,
+) -> Vec<LeasedGpu> {
+    slots
+        .into_iter()
+        .take(n as usize)
+        .map(|g| LeasedGpu {
+            index: g.index,
+            uuid: g.uuid.clone(),
+            model: g.model.clone(),
+            memory_bytes: g.memory_bytes,
+        })
+        .collect()
+}
+
+/// How far ahead a reservation may start.
+pub const MAX_RESERVE_AHEAD_MS: u64 = 90 * 86_400_000;
 
 fn reject(code: RejectCode, message: impl Into<String>) -> Rejection {
     Rejection::new(code, message)
@@ -335,10 +375,29 @@ impl LeaseBook {
             return;
         }
         let n = l.terms.gpus.len() as u32;
+        if is_future(l) {
+            let e = t.exposure.entry(l.terms.requester).or_default();
+            if add {
+                *e += l.terms.max_amount_millicredits();
+                let uuids = l.terms.gpus.iter().map(|g| g.uuid.clone()).collect();
+                t.reserved
+                    .insert(*id, (uuids, l.terms.start_ms, l.terms.end_ms));
+            } else {
+                t.reserved.remove(id);
+                *e = e.saturating_sub(l.terms.max_amount_millicredits());
+                if *e == 0 {
+                    t.exposure.remove(&l.terms.requester);
+                }
+            }
+            return;
+        }
         if add {
             t.cpus += l.terms.cpus;
             t.mem += l.terms.mem_bytes;
             t.gpus.extend(l.terms.gpus.iter().map(|g| g.uuid.clone()));
+            for g in &l.terms.gpus {
+                t.busy_until.insert(g.uuid.clone(), l.terms.end_ms);
+            }
             *t.per_peer.entry(l.terms.requester).or_default() += n;
             *t.exposure.entry(l.terms.requester).or_default() += l.terms.max_amount_millicredits();
         } else {
@@ -352,6 +411,7 @@ impl LeaseBook {
             t.mem = t.mem.saturating_sub(l.terms.mem_bytes);
             for g in &l.terms.gpus {
                 t.gpus.remove(&g.uuid);
+                t.busy_until.remove(&g.uuid);
             }
             if let Some(c) = t.per_peer.get_mut(&l.terms.requester) {
                 *c = c.saturating_sub(n);
@@ -500,7 +560,12 @@ impl LeaseBook {
             .push(Change::Nonce(*from, req.nonce, keep_until));
 
         self.check_policy(from, req)?;
-        let (gpus, cpus, mem) = self.allocate(from, req, prefer)?;
+        let start = self.start_of(req, now)?;
+        let (gpus, cpus, mem) = if start > now {
+            self.allocate_reservation(req, start)?
+        } else {
+            self.allocate(from, req, prefer, now)?
+        };
         let terms = LeaseTerms {
             version: LEASE_VERSION,
             lease_id,
@@ -510,8 +575,8 @@ impl LeaseBook {
             cpus,
             mem_bytes: mem,
             backend: req.requirements.backend.clone(),
-            start_ms: now,
-            end_ms: now + req.duration_ms,
+            start_ms: start,
+            end_ms: start + req.duration_ms,
             price_per_gpu_hour_millicredits: self.policy.price_per_gpu_hour_millicredits,
             request_nonce: req.nonce,
             offer_expires_ms: now + self.policy.offer_window_ms,
@@ -617,31 +682,155 @@ impl LeaseBook {
     /// Each GPU's timeline for the queue's plan: when its leases end (offers included),
     /// `None` while the owner has it.
     pub fn timelines(&self, now: UnixMillis) -> Vec<gpunode_sched::GpuTimeline> {
-        let mut busy_until: HashMap<&str, UnixMillis> = HashMap::new();
-        for l in self.leases.values() {
-            if l.role == LeaseRole::Provider && l.state.holds_resources() {
-                for g in &l.terms.gpus {
-                    let end = busy_until.entry(g.uuid.as_str()).or_insert(now);
-                    *end = (*end).max(l.terms.end_ms);
-                }
-            }
-        }
         self.capacity
             .gpus
             .iter()
             .map(|g| gpunode_sched::GpuTimeline {
                 index: g.index,
-                free_at: g
-                    .available
-                    .then(|| busy_until.get(g.uuid.as_str()).copied().unwrap_or(now)),
-                reserved: Vec::new(),
+                free_at: g.available.then(|| {
+                    self.totals
+                        .busy_until
+                        .get(&g.uuid)
+                        .copied()
+                        .unwrap_or(now)
+                        .max(now)
+                }),
+                reserved: self.reservations_on(&g.uuid, None).collect(),
             })
             .collect()
     }
 
+    /// Reservations on the GPU `uuid`, `[start, end)`, leaving out lease `except`.
+    fn reservations_on<'a>(
+        &'a self,
+        uuid: &'a str,
+        except: Option<LeaseId>,
+    ) -> impl Iterator<Item = (UnixMillis, UnixMillis)> + 'a {
+        self.totals
+            .reserved
+            .iter()
+            .filter(move |(id, (gpus, _, _))| {
+                Some(**id) != except && gpus.iter().any(|g| g == uuid)
+            })
+            .map(|(_, (_, s, e))| (*s, *e))
+    }
+
+    /// Whether the GPU `uuid` has no reservation overlapping `[start, end)` (but `except`).
+    fn clear_of_reservations(
+        &self,
+        uuid: &str,
+        start: UnixMillis,
+        end: UnixMillis,
+        except: Option<LeaseId>,
+    ) -> bool {
+        self.reservations_on(uuid, except)
+            .all(|(s, e)| e <= start || s >= end)
+    }
+
+    /// When a lease for `req` starts: now, or the requested later start (a reservation).
+    fn start_of(&self, req: &LeaseRequest, now: UnixMillis) -> Result<UnixMillis, Rejection> {
+        match req.start_at_ms {
+            Some(at) if at > now + RESERVATION_MIN_LEAD_MS => {
+                if at - now > MAX_RESERVE_AHEAD_MS {
+                    return Err(reject(
+                        RejectCode::InvalidRequest,
+                        format!(
+                            "a reservation may start at most {} days ahead",
+                            MAX_RESERVE_AHEAD_MS / 86_400_000
+                        ),
+                    ));
+                }
+                Ok(at)
+            }
+            _ => Ok(now),
+        }
+    }
+
+    /// GPUs for a reservation of `req` from `start`: matching GPUs with no other
+    /// reservation in the window and no present lease running into it.
+    fn allocate_reservation(
+        &self,
+        req: &LeaseRequest,
+        start: UnixMillis,
+    ) -> Result<(Vec<LeasedGpu>, u32, u64), Rejection> {
+        let r = &req.requirements;
+        let end = start + req.duration_ms;
+        if r.cpus > self.capacity.cpus || r.mem_bytes > self.capacity.mem_bytes {
+            return Err(reject(
+                RejectCode::NoCapacity,
+                format!(
+                    "needs {} CPU cores and {} of RAM; this provider has {} and {}",
+                    r.cpus,
+                    format_bytes(r.mem_bytes),
+                    self.capacity.cpus,
+                    format_bytes(self.capacity.mem_bytes)
+                ),
+            ));
+        }
+        let eligible = self.eligible_gpus(req);
+        let mut fitting: Vec<&super::policy::GpuSlot> = self
+            .capacity
+            .gpus
+            .iter()
+            .filter(|g| eligible.contains(&g.index))
+            .filter(|g| {
+                self.totals
+                    .busy_until
+                    .get(&g.uuid)
+                    .is_none_or(|until| *until <= start)
+            })
+            .filter(|g| self.clear_of_reservations(&g.uuid, start, end, None))
+            .collect();
+        if (fitting.len() as u32) < r.gpus {
+            let taken: Vec<String> = self
+                .capacity
+                .gpus
+                .iter()
+                .filter(|g| eligible.contains(&g.index))
+                .flat_map(|g| {
+                    self.reservations_on(&g.uuid, None)
+                        .filter(|(s, e)| *s < end && *e > start)
+                        .map(|(s, e)| {
+                            format!(
+                                "GPU {} is reserved {} to {}",
+                                g.index,
+                                gpunode_protocol::time::format_utc(s),
+                                gpunode_protocol::time::format_utc(e)
+                            )
+                        })
+                        .collect::<Vec<_>>()
+                })
+                .collect();
+            return Err(reject(
+                RejectCode::NoCapacity,
+                format!(
+                    "needs {} matching GPU(s) free from {} for {}; {} of {} are{}",
+                    r.gpus,
+                    gpunode_protocol::time::format_utc(start),
+                    gpunode_sched::human_duration(req.duration_ms),
+                    fitting.len(),
+                    eligible.len(),
+                    if taken.is_empty() {
+                        String::new()
+                    } else {
+                        format!(" ({})", taken.join("; "))
+                    }
+                ),
+            ));
+        }
+        fitting.sort_by_key(|g| (g.memory_bytes, g.index));
+        let gpus = first_leased(fitting.iter().copied(), r.gpus);
+        Ok((gpus, r.cpus, r.mem_bytes))
+    }
+
     /// Whether `req` would find capacity now (nothing is held).
-    pub fn capacity_for(&self, from: &PeerId, req: &LeaseRequest) -> Result<(), Rejection> {
-        self.allocate(from, req, &[]).map(|_| ())
+    pub fn capacity_for(
+        &self,
+        from: &PeerId,
+        req: &LeaseRequest,
+        now: UnixMillis,
+    ) -> Result<(), Rejection> {
+        self.allocate(from, req, &[], now).map(|_| ())
     }
 
     fn allocate(
@@ -649,6 +838,7 @@ impl LeaseBook {
         _from: &PeerId,
         req: &LeaseRequest,
         prefer: &[u32],
+        now: UnixMillis,
     ) -> Result<(Vec<LeasedGpu>, u32, u64), Rejection> {
         let r = &req.requirements;
         let committed = &self.totals.gpus;
@@ -664,6 +854,8 @@ impl LeaseBook {
             .gpus
             .iter()
             .filter(|g| g.available && !committed.contains(&g.uuid))
+            // Backfill: a GPU reserved later may be lent only until its reservation.
+            .filter(|g| self.clear_of_reservations(&g.uuid, now, now + req.duration_ms, None))
             .collect();
         let mut fitting: Vec<_> = free
             .iter()
@@ -707,16 +899,7 @@ impl LeaseBook {
         // The plan's choice first; then smallest sufficient GPUs, so big ones stay for
         // big requests.
         fitting.sort_by_key(|g| (!prefer.contains(&g.index), g.memory_bytes, g.index));
-        let gpus = fitting
-            .iter()
-            .take(r.gpus as usize)
-            .map(|g| LeasedGpu {
-                index: g.index,
-                uuid: g.uuid.clone(),
-                model: g.model.clone(),
-                memory_bytes: g.memory_bytes,
-            })
-            .collect();
+        let gpus = first_leased(fitting.iter().map(|g| **g), r.gpus);
         let (used_cpus, used_mem) = (self.totals.cpus, self.totals.mem);
         let free_cpus = self.capacity.cpus.saturating_sub(used_cpus);
         let free_mem = self.capacity.mem_bytes.saturating_sub(used_mem);
@@ -789,7 +972,12 @@ impl LeaseBook {
         if let Some(l) = self.leases.get_mut(&id) {
             l.requester_sig = Some(requester_sig.to_vec());
         }
-        self.set_state(id, LeaseState::Active, now);
+        let state = if terms.start_ms > now {
+            LeaseState::Reserved
+        } else {
+            LeaseState::Active
+        };
+        self.set_state(id, state, now);
         Ok(id)
     }
 
@@ -810,10 +998,21 @@ impl LeaseBook {
                 format!("lease {id} is not yours"),
             ));
         }
-        if l.state != LeaseState::Active || l.terms.end_ms <= now {
+        if !matches!(l.state, LeaseState::Active | LeaseState::Reserved) || l.terms.end_ms <= now {
             return Err(reject(
                 RejectCode::WrongState,
                 format!("lease {id} is not active"),
+            ));
+        }
+        if let Some(g) = l.terms.gpus.iter().find(|g| {
+            !self.clear_of_reservations(&g.uuid, l.terms.end_ms, renewal.new_end_ms, Some(id))
+        }) {
+            return Err(reject(
+                RejectCode::NoCapacity,
+                format!(
+                    "GPU {} is reserved by someone else before the new end; renew for less",
+                    g.index
+                ),
             ));
         }
         renewal.verify(from, requester_sig)?;
@@ -902,6 +1101,7 @@ impl LeaseBook {
         now: UnixMillis,
     ) {
         let id = terms.lease_id;
+        let start_ms = terms.start_ms;
         self.put(LeaseRecord {
             signed_end_ms: terms.end_ms,
             terms,
@@ -909,7 +1109,11 @@ impl LeaseBook {
             requester_sig: Some(requester_sig),
             renewals: Vec::new(),
             role: LeaseRole::Requester,
-            state: LeaseState::Active,
+            state: if start_ms > now {
+                LeaseState::Reserved
+            } else {
+                LeaseState::Active
+            },
             updated_ms: now,
         });
         self.changes.push(Change::Lease(id));
@@ -955,6 +1159,7 @@ impl LeaseBook {
             let next = match self.leases.get(&id).map(|l| l.state) {
                 Some(LeaseState::Offered) => LeaseState::Expired,
                 Some(LeaseState::Active) => LeaseState::Completed,
+                Some(LeaseState::Reserved) => LeaseState::Active,
                 _ => {
                     self.deadlines.remove(&(due, id));
                     continue;

@@ -82,6 +82,7 @@ impl Fixture {
             sent_at_ms: NOW,
             expires_at_ms: NOW + 30_000,
             ticket: None,
+            start_at_ms: None,
         }
     }
 
@@ -146,6 +147,121 @@ fn request_offer_accept_activates_with_both_signatures() {
     assert!(f.book.take_changes().contains(&Change::Lease(id)));
     // Price: 1 credit/GPU-h, 2 GPUs, half an hour.
     assert_eq!(terms.max_amount_millicredits(), 1000);
+}
+
+const HOUR: u64 = 3_600_000;
+
+/// A request for the one T4 (GPU 2) from `start` for `hours`.
+fn t4_request(
+    f: &Fixture,
+    nonce: u64,
+    start: Option<UnixMillis>,
+    duration_ms: u64,
+) -> LeaseRequest {
+    let mut req = f.request(1, Some("T4"), nonce);
+    req.start_at_ms = start;
+    req.duration_ms = duration_ms;
+    req
+}
+
+#[test]
+fn a_reservation_holds_its_gpu_only_from_its_start() {
+    let mut f = Fixture::new();
+    let req = t4_request(&f, 1, Some(NOW + HOUR), HOUR);
+    let (terms, psig) = f.offer(&req, NOW).unwrap();
+    assert_eq!((terms.start_ms, terms.end_ms), (NOW + HOUR, NOW + 2 * HOUR));
+    assert_eq!(f.book.committed_totals(), (0, 0, 0), "nothing held now");
+    let id = f.accept(&terms, &psig, NOW + 5).unwrap();
+    assert_eq!(f.book.get(&id).unwrap().state, LeaseState::Reserved);
+    assert_eq!(f.book.committed_totals(), (0, 0, 0));
+    // At its start it becomes active and holds the GPU.
+    assert_eq!(f.book.next_deadline(), Some(NOW + HOUR));
+    f.book.tick(NOW + HOUR);
+    assert_eq!(f.book.get(&id).unwrap().state, LeaseState::Active);
+    assert_eq!(f.book.committed_totals().0, 1);
+    f.book.tick(NOW + 2 * HOUR);
+    assert_eq!(f.book.get(&id).unwrap().state, LeaseState::Completed);
+}
+
+#[test]
+fn overlapping_reservations_conflict_and_adjacent_ones_do_not() {
+    let mut f = Fixture::new();
+    let (terms, psig) = f
+        .offer(&t4_request(&f, 1, Some(NOW + HOUR), 2 * HOUR), NOW)
+        .unwrap();
+    f.accept(&terms, &psig, NOW + 5).unwrap();
+    // Overlaps the end: refused, naming the reservation in the way.
+    let err = f
+        .offer(&t4_request(&f, 2, Some(NOW + 2 * HOUR), HOUR), NOW)
+        .unwrap_err();
+    assert_eq!(err.code, RejectCode::NoCapacity);
+    assert!(err.message.contains("GPU 2 is reserved"), "{}", err.message);
+    // Starts where the first ends: fine.
+    let (second, _) = f
+        .offer(&t4_request(&f, 3, Some(NOW + 3 * HOUR), HOUR), NOW)
+        .unwrap();
+    assert_eq!(second.gpus[0].index, 2);
+    // A reservation whose window a present lease runs into is refused too.
+    let mut g = Fixture::new();
+    let (now_lease, psig) = g.offer(&t4_request(&g, 1, None, 2 * HOUR), NOW).unwrap();
+    g.accept(&now_lease, &psig, NOW + 5).unwrap();
+    assert_eq!(
+        code(g.offer(&t4_request(&g, 2, Some(NOW + HOUR), HOUR), NOW)),
+        RejectCode::NoCapacity
+    );
+    // Too far ahead: refused as invalid.
+    assert_eq!(
+        code(g.offer(&t4_request(&g, 3, Some(NOW + 100 * 24 * HOUR), HOUR), NOW)),
+        RejectCode::InvalidRequest
+    );
+}
+
+#[test]
+fn backfill_lends_a_reserved_gpu_only_until_its_reservation() {
+    let mut f = Fixture::new();
+    let (terms, psig) = f
+        .offer(&t4_request(&f, 1, Some(NOW + HOUR), HOUR), NOW)
+        .unwrap();
+    let reservation = f.accept(&terms, &psig, NOW + 5).unwrap();
+    // Two hours from now would run into the reservation: refused.
+    assert_eq!(
+        code(f.offer(&t4_request(&f, 2, None, 2 * HOUR), NOW)),
+        RejectCode::NoCapacity
+    );
+    // Forty minutes ends before it: lent.
+    let (short, psig) = f.offer(&t4_request(&f, 3, None, 40 * 60_000), NOW).unwrap();
+    let short_id = f.accept(&short, &psig, NOW + 5).unwrap();
+    // It may not be renewed into the reservation.
+    let renewal = Renewal {
+        lease_id: short_id,
+        new_end_ms: NOW + 90 * 60_000,
+        nonce: 77,
+    };
+    let rsig = renewal.sign(&f.requester_key).unwrap();
+    let me = f.requester();
+    let err = f
+        .book
+        .on_renew(&me, &renewal, &rsig, &f.provider_key, NOW + 60_000)
+        .unwrap_err();
+    assert!(err.message.contains("reserved"), "{}", err.message);
+    // The reservation starts on time, on its GPU.
+    f.book.tick(NOW + 40 * 60_000);
+    f.book.tick(NOW + HOUR);
+    assert_eq!(f.book.get(&reservation).unwrap().state, LeaseState::Active);
+    // And the timeline shows it to the queue's plan.
+    let mut g = Fixture::new();
+    let (terms, psig) = g
+        .offer(&t4_request(&g, 1, Some(NOW + HOUR), HOUR), NOW)
+        .unwrap();
+    g.accept(&terms, &psig, NOW + 5).unwrap();
+    let t4 = g
+        .book
+        .timelines(NOW)
+        .into_iter()
+        .find(|t| t.index == 2)
+        .unwrap();
+    assert_eq!(t4.reserved, vec![(NOW + HOUR, NOW + 2 * HOUR)]);
+    assert_eq!(t4.free_at, Some(NOW));
 }
 
 #[test]
@@ -622,6 +738,7 @@ proptest! {
                         sent_at_ms: now,
                         expires_at_ms: now + 30_000,
                         ticket: None,
+                        start_at_ms: None,
                     };
                     let mut id = [0u8; 16];
                     id[..8].copy_from_slice(&nonce.to_le_bytes());

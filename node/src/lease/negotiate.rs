@@ -7,7 +7,7 @@ use std::time::Duration;
 use gpunode_protocol::advert::OfferFilter;
 use gpunode_protocol::lease::{
     LeaseMessage, LeaseReply, LeaseRequest, LeaseTerms, QueuePlace, RejectCode, Rejection, Renewal,
-    Requirements, LEASE_VERSION,
+    Requirements, LEASE_VERSION, RESERVATION_MIN_LEAD_MS,
 };
 use gpunode_protocol::time::{now_ms, UnixMillis, MAX_CLOCK_SKEW_MS};
 use gpunode_protocol::PeerId;
@@ -265,6 +265,7 @@ impl NodeHandle {
             sent_at_ms: now,
             expires_at_ms: now + REQUEST_TTL_MS,
             ticket: spec.ticket,
+            start_at_ms: spec.start_at_ms,
         };
         let (terms, provider_sig) = match self
             .send_lease(peer, addrs.clone(), LeaseMessage::Request(req.clone()))
@@ -532,7 +533,14 @@ pub fn check_offer(
             ));
         }
     }
-    if terms.start_ms > now + MAX_CLOCK_SKEW_MS
+    let reservation = req
+        .start_at_ms
+        .filter(|at| *at > req.sent_at_ms + RESERVATION_MIN_LEAD_MS);
+    if let Some(at) = reservation {
+        if terms.start_ms != at {
+            return bad("offer's start differs from the reservation's".to_string());
+        }
+    } else if terms.start_ms > now + MAX_CLOCK_SKEW_MS
         || terms.start_ms + MAX_CLOCK_SKEW_MS < req.sent_at_ms
     {
         return Err(Rejection::new(
@@ -597,6 +605,7 @@ mod tests {
             sent_at_ms: NOW,
             expires_at_ms: NOW + 30_000,
             ticket: None,
+            start_at_ms: None,
         };
         let (terms, sig) = book
             .on_request(&req.requester, &req, LeaseId([3; 16]), &provider, NOW)

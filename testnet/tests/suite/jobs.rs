@@ -317,6 +317,7 @@ async fn hostile_job_requests_are_refused_and_the_provider_keeps_serving() {
             exclude: Vec::new(),
             kind: Default::default(),
             ticket: None,
+            start_at_ms: None,
         })
         .await
         .expect("lease");

@@ -33,6 +33,7 @@ fn spec(peer: Option<String>) -> LeaseSpec {
         exclude: Vec::new(),
         kind: Default::default(),
         ticket: None,
+        start_at_ms: None,
     }
 }
 
@@ -267,6 +268,7 @@ async fn hostile_lease_messages_are_rejected_with_reasons_and_reserve_nothing() 
             sent_at_ms: now,
             expires_at_ms: now + 30_000,
             ticket: None,
+            start_at_ms: None,
         }
     };
     let send = |m: LeaseMessage| encoding::encode(&m);

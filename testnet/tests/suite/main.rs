@@ -10,5 +10,6 @@ mod leases;
 mod ledger;
 mod ledger_crash;
 mod owner;
+mod reservations;
 mod teams;
 mod waiting;

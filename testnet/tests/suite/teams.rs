@@ -32,6 +32,7 @@ fn lease_of(provider: &PeerId) -> LeaseSpec {
         exclude: Vec::new(),
         kind: Default::default(),
         ticket: None,
+        start_at_ms: None,
     }
 }
 
