@@ -100,6 +100,7 @@ pub fn print_offers(out: &mut impl Write, offers: &[OfferView]) -> io::Result<()
                 format!("{:.2}", o.price_per_gpu_hour),
                 if o.simulated { "simulated" } else { "real" }.to_string(),
                 format_age(Duration::from_millis(now.saturating_sub(o.issued_at_ms))),
+                reserved_summary(o, now),
             ]
         })
         .collect();
@@ -114,9 +115,30 @@ pub fn print_offers(out: &mut impl Write, offers: &[OfferView]) -> io::Result<()
             "PRICE/GPU-H",
             "KIND",
             "AGE",
+            "RESERVED (UTC; free outside)",
         ],
         &rows,
     )
+}
+
+/// "gpu0 12-01 20:00-23:00" for each reservation window still to come, or "-".
+fn reserved_summary(o: &OfferView, now: u64) -> String {
+    let short = |ms: u64| format_utc(ms)[5..16].to_string();
+    let windows: Vec<String> = o
+        .gpus
+        .iter()
+        .flat_map(|g| {
+            g.reserved
+                .iter()
+                .filter(|(_, e)| *e > now)
+                .map(move |(s, e)| format!("gpu{} {}-{}", g.index, short(*s), &short(*e)[6..]))
+        })
+        .collect();
+    if windows.is_empty() {
+        "-".into()
+    } else {
+        windows.join(", ")
+    }
 }
 
 /// The `gpunode status` text.
@@ -429,6 +451,7 @@ mod tests {
             state,
             mig_enabled: false,
             compute_capability: None,
+            reserved: Vec::new(),
         }
     }
 

@@ -94,6 +94,7 @@ impl LocalOffer {
         stamp: &AdvertStamp,
         inventory: &InventorySnapshot,
         listen_addrs: Vec<String>,
+        reserved: &std::collections::BTreeMap<String, Vec<(UnixMillis, UnixMillis)>>,
     ) -> Advert {
         Advert {
             version: ADVERT_VERSION,
@@ -112,6 +113,7 @@ impl LocalOffer {
                     state: g.state,
                     mig_enabled: g.mig_enabled.unwrap_or(false),
                     compute_capability: g.compute_capability,
+                    reserved: reserved.get(&g.uuid).cloned().unwrap_or_default(),
                 })
                 .collect(),
             cpu_cores: self.cpu_cores,

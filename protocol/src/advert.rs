@@ -43,6 +43,9 @@ pub struct AdvertGpu {
     pub mig_enabled: bool,
     /// CUDA compute capability.
     pub compute_capability: Option<(u32, u32)>,
+    /// Reserved windows `[start, end)` (unix ms): the GPU is not free for a lease that
+    /// overlaps one; it is free before, between and after them.
+    pub reserved: Vec<(UnixMillis, UnixMillis)>,
 }
 
 /// What a node offers, as signed by it.
@@ -359,6 +362,7 @@ mod tests {
                 state: GpuState::Idle,
                 mig_enabled: false,
                 compute_capability: Some((8, 0)),
+                reserved: Vec::new(),
             }],
             cpu_cores: 8,
             ram_bytes: 64 << 30,

@@ -78,7 +78,7 @@ impl EventLoop {
     ) {
         self.metrics.lease_messages.inc();
         let now = now_ms();
-        let committed_before = self.leases.committed_gpus();
+        let committed_before = self.leases.advertised();
         let reply = match request {
             InboundLease::Invalid(r) => LeaseReply::Rejected(r),
             InboundLease::Message(LeaseMessage::Request(req)) => {
@@ -257,23 +257,20 @@ impl EventLoop {
     }
 
     /// Updates gauges and re-advertises when the set of leased GPUs changed.
-    pub(super) fn after_lease_change(
-        &mut self,
-        committed_before: &std::collections::HashSet<String>,
-    ) {
+    pub(super) fn after_lease_change(&mut self, committed_before: &crate::lease::book::Advertised) {
         let (gpus, _, _) = self.leases.committed_totals();
         self.metrics.leased_gpus.set(gpus as i64);
         self.metrics
             .leases_active
             .set(self.leases.active_count() as i64);
-        if self.leases.committed_gpus() != *committed_before {
+        if self.leases.advertised() != *committed_before {
             self.schedule_publish(std::time::Duration::from_millis(20), true);
         }
     }
 
     /// Lease deadlines that passed: holds released, leases completed.
     pub(super) fn tick_leases(&mut self) {
-        let before = self.leases.committed_gpus();
+        let before = self.leases.advertised();
         if !self.leases.tick(now_ms()).is_empty() {
             self.persist_leases();
             if let Err(e) = self.store.flush() {
@@ -356,7 +353,7 @@ impl EventLoop {
         let signature = cancellation
             .sign(&self.keypair)
             .map_err(|e| Rejection::new(RejectCode::BadSignature, e.to_string()))?;
-        let before = self.leases.committed_gpus();
+        let before = self.leases.advertised();
         self.leases
             .on_cancel(&self.local_peer, &cancellation, &signature, now_ms())?;
         self.persist_durably()

@@ -530,6 +530,7 @@ impl EventLoop {
                 },
                 &inventory_with_leases,
                 listen_addrs,
+                &self.leases.reserved_windows(),
             );
             let signed = self.sign(&advert)?;
             let own = self.own.as_mut()?;

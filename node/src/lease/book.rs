@@ -219,6 +219,13 @@ fn first_leased<'a>(
         .collect()
 }
 
+/// GPUs lent now, and reservation windows by GPU: when either changes, the node
+/// publishes a new advert.
+pub type Advertised = (
+    HashSet<String>,
+    BTreeMap<String, Vec<(UnixMillis, UnixMillis)>>,
+);
+
 /// How far ahead a reservation may start.
 pub const MAX_RESERVE_AHEAD_MS: u64 = 90 * 86_400_000;
 
@@ -698,6 +705,25 @@ impl LeaseBook {
                 reserved: self.reservations_on(&g.uuid, None).collect(),
             })
             .collect()
+    }
+
+    /// Reservation windows by GPU UUID, sorted, for adverts.
+    pub fn reserved_windows(&self) -> BTreeMap<String, Vec<(UnixMillis, UnixMillis)>> {
+        let mut out: BTreeMap<String, Vec<(UnixMillis, UnixMillis)>> = BTreeMap::new();
+        for (gpus, s, e) in self.totals.reserved.values() {
+            for g in gpus {
+                out.entry(g.clone()).or_default().push((*s, *e));
+            }
+        }
+        for w in out.values_mut() {
+            w.sort_unstable();
+        }
+        out
+    }
+
+    /// What adverts show of the book: GPUs lent now and reservation windows.
+    pub fn advertised(&self) -> Advertised {
+        (self.committed_gpus(), self.reserved_windows())
     }
 
     /// Reservations on the GPU `uuid`, `[start, end)`, leaving out lease `except`.

@@ -85,6 +85,7 @@ fn forged_advert(claimed: PeerId, signer: &identity::Keypair) -> Vec<u8> {
             state: GpuState::Idle,
             mig_enabled: false,
             compute_capability: None,
+            reserved: Vec::new(),
         }],
         cpu_cores: 1024,
         ram_bytes: 1 << 40,

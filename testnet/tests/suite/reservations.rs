@@ -27,7 +27,7 @@ async fn a_job_runs_inside_its_reservation_and_overlaps_are_refused() {
             .expect("offers");
     }
     let provider = net.nodes[0].handle.peer_id().to_string();
-    let start = now_ms() + 20_000;
+    let start = now_ms() + 25_000;
     let mut spec = bare_lease(&provider, 180_000);
     spec.gpus = 1;
     spec.start_at_ms = Some(start);
@@ -38,6 +38,13 @@ async fn a_job_runs_inside_its_reservation_and_overlaps_are_refused() {
         .expect("reserved");
     assert_eq!(reservation.state, LeaseState::Reserved);
     assert_eq!(reservation.start_ms, start);
+
+    // The provider publishes the window, so others see when the GPU is free.
+    TestNet::wait_for_offers(&other.handle, &OfferFilter::default(), LONG, |o| {
+        o.len() == 1 && o[0].gpus[0].reserved == vec![(start, start + 180_000)]
+    })
+    .await
+    .expect("the reserved window in the provider's advert");
 
     // Another reservation of the only GPU that overlaps is refused, naming the one in
     // the way; a lease from now that would run into it is refused too.
