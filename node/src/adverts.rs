@@ -168,6 +168,7 @@ mod tests {
                 },
                 &inv,
                 vec![],
+                &Default::default(),
             )
             .sign(key)
             .expect("sign")
