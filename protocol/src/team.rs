@@ -609,6 +609,9 @@ pub struct TeamPolicy {
     pub priority_admin: i32,
     /// Serving priority of members' work.
     pub priority_member: i32,
+    /// Whether a waiting request may stop running leases of a lower priority to start
+    /// (they are charged only for the time they used).
+    pub preempt_lower: bool,
     /// Limits for every member.
     pub quota: Quota,
     /// Limits for named members, instead of `quota`.

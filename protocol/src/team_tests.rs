@@ -245,6 +245,7 @@ fn policy(t: &Team) -> TeamPolicy {
         allowance: 50.0,
         priority_admin: 10,
         priority_member: 0,
+        preempt_lower: false,
         quota: Quota {
             gpu_hours_per_day: Some(8.0),
             gpu_hours_per_week: Some(30.0),

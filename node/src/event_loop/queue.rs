@@ -10,6 +10,8 @@ use gpunode_sched::{FairShare, Order, Queue, Request, Standing, Ticket};
 use libp2p::PeerId;
 
 use super::EventLoop;
+use crate::lease::{LeaseRole, LeaseState};
+use gpunode_protocol::lease::LeaseId;
 
 /// A place nobody asked for again in this long is dropped (its requester polls every
 /// half second while it waits, or took another provider's offer).
@@ -80,6 +82,16 @@ impl EventLoop {
         req: &LeaseRequest,
         now: u64,
     ) -> Decision {
+        self.decide(peer, req, now, true)
+    }
+
+    fn decide(
+        &mut self,
+        peer: &PeerId,
+        req: &LeaseRequest,
+        now: u64,
+        may_preempt: bool,
+    ) -> Decision {
         let (ticket, keep) = ticket_of(req);
         if req
             .start_at_ms
@@ -117,6 +129,11 @@ impl EventLoop {
         if place.starts_now(now) {
             return Decision::Grant(place.gpus);
         }
+        if keep && may_preempt && self.preempt_for(req, standing.priority, now) {
+            // GPUs were freed for it: place it again (once).
+            return self.decide(peer, req, now, false);
+        }
+        let waiting = &mut self.waiting;
         if !keep {
             waiting.queue.remove(&ticket);
             return Decision::Refused(match self.leases.capacity_for(peer, req, now) {
@@ -136,6 +153,75 @@ impl EventLoop {
             estimated_start_ms: place.start_ms,
             reason: place.reason,
         })
+    }
+
+    /// Where the team policy allows it, stops running leases of requesters with a lower
+    /// priority than `priority` on GPUs `req` could use, lowest priority and most recent
+    /// first, until enough GPUs are free; returns whether it stopped any. Their jobs end
+    /// as preempted (no fault of theirs; they are charged for the time they used).
+    fn preempt_for(&mut self, req: &LeaseRequest, priority: i32, now: u64) -> bool {
+        let Some(team) = self.team.clone() else {
+            return false;
+        };
+        if !team.preempts() {
+            return false;
+        }
+        let eligible = self.leases.eligible_gpus(req);
+        let free_now = self
+            .leases
+            .timelines(now)
+            .iter()
+            .filter(|t| eligible.contains(&t.index) && t.free_at == Some(now))
+            .count() as u32;
+        let mut need = req.requirements.gpus.saturating_sub(free_now);
+        if need == 0 {
+            return false;
+        }
+        let mut victims: Vec<(i32, std::cmp::Reverse<u64>, LeaseId, u32)> = self
+            .leases
+            .all()
+            .into_iter()
+            .filter(|l| l.role == LeaseRole::Provider && l.state == LeaseState::Active)
+            .filter_map(|l| {
+                let p = team.priority_of(&l.terms.requester);
+                let usable = l
+                    .terms
+                    .gpus
+                    .iter()
+                    .filter(|g| eligible.contains(&g.index))
+                    .count() as u32;
+                (p < priority && usable > 0).then_some((
+                    p,
+                    std::cmp::Reverse(l.terms.start_ms),
+                    l.terms.lease_id,
+                    usable,
+                ))
+            })
+            .collect();
+        let available: u32 = victims.iter().map(|v| v.3).sum();
+        if available < need {
+            return false;
+        }
+        victims.sort();
+        let mut stopped = false;
+        for (_, _, id, usable) in victims {
+            if need == 0 {
+                break;
+            }
+            let jobs = self.lease_jobs.preempt(&id);
+            tracing::info!(lease = %id, jobs, "preempted for higher-priority work (team policy)");
+            self.metrics.leases_preempted.inc();
+            match self.cancel_local(&id.to_string()) {
+                Ok(_) => {
+                    need = need.saturating_sub(usable);
+                    stopped = true;
+                }
+                Err(e) => {
+                    tracing::warn!(lease = %id, "cannot end a preempted lease: {}", e.message)
+                }
+            }
+        }
+        stopped
     }
 
     /// A queued request was granted: it leaves the queue and its declared GPU time counts

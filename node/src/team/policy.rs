@@ -6,6 +6,7 @@
 //! [priority]
 //! admin = 10
 //! member = 0
+//! preempt = false             # may higher-priority work stop lower-priority leases?
 //! [quota]                     # GPU-hours at each provider
 //! gpu_hours_per_day = 8.0
 //! gpu_hours_per_week = 30.0
@@ -60,6 +61,8 @@ struct PriorityFile {
     admin: i32,
     #[serde(default)]
     member: i32,
+    #[serde(default)]
+    preempt: bool,
 }
 
 #[derive(Debug, Deserialize, Default)]
@@ -214,6 +217,7 @@ pub fn parse(text: &str, team: TeamId, issuer: PeerId, seq: u64) -> Result<TeamP
         allowance: f.allowance,
         priority_admin: f.priority.admin,
         priority_member: f.priority.member,
+        preempt_lower: f.priority.preempt,
         quota: Quota {
             gpu_hours_per_day: check_hours("gpu_hours_per_day", f.quota.gpu_hours_per_day)?,
             gpu_hours_per_week: check_hours("gpu_hours_per_week", f.quota.gpu_hours_per_week)?,
@@ -230,14 +234,15 @@ pub fn parse(text: &str, team: TeamId, issuer: PeerId, seq: u64) -> Result<TeamP
 /// The policy written back as a file an admin can edit.
 pub fn to_toml(p: &TeamPolicy) -> String {
     let mut out = format!(
-        "# team policy, version {}\nallowance = {}\nutc_offset = \"{}{:02}:{:02}\"\n\n[priority]\nadmin = {}\nmember = {}\n\n[quota]\n",
+        "# team policy, version {}\nallowance = {}\nutc_offset = \"{}{:02}:{:02}\"\n\n[priority]\nadmin = {}\nmember = {}\npreempt = {}\n\n[quota]\n",
         p.seq,
         p.allowance,
         if p.utc_offset_min < 0 { '-' } else { '+' },
         p.utc_offset_min.unsigned_abs() / 60,
         p.utc_offset_min.unsigned_abs() % 60,
         p.priority_admin,
-        p.priority_member
+        p.priority_member,
+        p.preempt_lower
     );
     let quota = |q: &Quota| {
         let mut s = String::new();
@@ -312,6 +317,7 @@ allowance = 50.0
 utc_offset = "+01:00"
 [priority]
 admin = 10
+preempt = true
 [quota]
 gpu_hours_per_day = 8.0
 gpu_hours_per_week = 30
@@ -338,6 +344,7 @@ hours = "18:00-09:00"
         assert_eq!(p.allowance, 50.0);
         assert_eq!(p.utc_offset_min, 60);
         assert_eq!(p.priority_admin, 10);
+        assert!(p.preempt_lower);
         assert_eq!(p.quota.gpu_hours_per_week, Some(30.0));
         assert_eq!(p.member_quotas.len(), 1);
         assert_eq!(p.windows[0].days, vec![0, 1, 2, 3, 4]);

@@ -249,6 +249,14 @@ impl Team {
             .map(|p| (p.policy.allowance * 1000.0).round() as u64)
     }
 
+    /// Whether the policy lets higher-priority work preempt lower-priority leases.
+    pub fn preempts(&self) -> bool {
+        self.lock()
+            .policy
+            .as_ref()
+            .is_some_and(|p| p.policy.preempt_lower)
+    }
+
     /// Serving priority of `peer`'s work under the policy (its role's).
     pub fn priority_of(&self, peer: &PeerId) -> i32 {
         let s = self.lock();

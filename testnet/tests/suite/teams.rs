@@ -390,3 +390,57 @@ async fn tcp_with_a_pre_shared_key_admits_only_holders_of_the_key() {
         n.shutdown().await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn higher_priority_work_preempts_only_where_the_policy_allows() {
+    let cfg = TestNetConfig::new(vec![]);
+    let spec = Some("1xA100-80GB".to_string());
+    // Node 0 is the admin (priority 10), node 1 a member (0), node 2 the provider.
+    let (members, ids) = team_of(&cfg, 3, &spec).await;
+    eventually("the members connect", LONG, async || {
+        let (a, b) = (connected(&members[2].handle).await, ids[..2].to_vec());
+        b.iter().all(|p| a.contains(p))
+    })
+    .await;
+    let set = async |text: &str| {
+        members[0].handle.team_set_policy(text).await.expect("policy");
+        let provider_team = members[2].handle.team().expect("in a team").clone();
+        let wanted = text.lines().last().unwrap_or_default().to_string();
+        eventually("the policy reaches the provider", LONG, async || {
+            provider_team.policy_text().is_some_and(|t| t.contains(&wanted))
+        })
+        .await;
+    };
+    set("[priority]\nadmin = 10\nmember = 0\npreempt = false").await;
+    let held = members[1]
+        .handle
+        .request_lease(lease_of(&ids[2]))
+        .await
+        .expect("the member takes the only GPU");
+    let mut urgent = lease_of(&ids[2]);
+    urgent.ticket = Some(7);
+    let err = members[0]
+        .handle
+        .request_lease(urgent.clone())
+        .await
+        .expect_err("no preemption without the policy");
+    assert!(err.to_string().contains("queued: position 1 of 1"), "{err}");
+
+    set("[priority]\nadmin = 10\nmember = 0\npreempt = true").await;
+    let granted = members[0]
+        .handle
+        .request_lease(urgent)
+        .await
+        .expect("the admin's work preempts the member's lease");
+    assert_eq!(granted.gpus.len(), 1);
+    let leases = members[2].handle.list_leases().await.expect("leases");
+    let old = leases
+        .iter()
+        .find(|l| l.lease_id == held.lease_id)
+        .expect("the member's lease");
+    assert_eq!(old.state, gpunode_node::lease::LeaseState::Cancelled);
+    assert_eq!(members[2].handle.metrics().leases_preempted.get(), 1);
+    for mut n in members {
+        n.shutdown().await;
+    }
+}
