@@ -114,6 +114,10 @@ pub struct NodeConfig {
     /// `owner_grace`, charge the time used, the requester retries elsewhere), `share`
     /// (keep running) or `suspend` (pause until the owner leaves).
     pub owner_policy: crate::owner::OwnerPolicy,
+    /// How this provider orders lease requests waiting for GPUs: `fair` (team priority,
+    /// fair share, short jobs first, with backfill; see docs/scheduling.md) or `fcfs`
+    /// (first come, first served, nobody passes: for comparison).
+    pub queue_order: QueueOrder,
     /// How long jobs may go on beside the owner before `yield` stops them.
     #[serde(deserialize_with = "de_duration")]
     pub owner_grace: Duration,
@@ -159,6 +163,7 @@ impl Default for NodeConfig {
             allow_host_env: false,
             max_image_bytes: 32 << 30,
             owner_policy: crate::owner::OwnerPolicy::Yield,
+            queue_order: QueueOrder::Fair,
             owner_grace: Duration::from_secs(10),
             lend: Vec::new(),
             lend_utc_offset: "+00:00".to_string(),
@@ -408,6 +413,26 @@ fn de_bytes<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
     parse_bytes(&text).map_err(serde::de::Error::custom)
 }
 
+/// The order a provider serves waiting lease requests in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum QueueOrder {
+    /// Policy order with backfill (the default).
+    #[default]
+    Fair,
+    /// First come, first served.
+    Fcfs,
+}
+
+impl From<QueueOrder> for gpunode_sched::Order {
+    fn from(o: QueueOrder) -> gpunode_sched::Order {
+        match o {
+            QueueOrder::Fair => gpunode_sched::Order::Fair,
+            QueueOrder::Fcfs => gpunode_sched::Order::Fcfs,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -454,6 +479,7 @@ mod tests {
             ("lend_utc_offset = \"CET\"", "utc_offset 'CET'"),
             ("lend_gpu_memory = \"120%\"", "lend_gpu_memory"),
             ("owner_policy = \"ignore\"", "owner_policy"),
+            ("queue_order = \"random\"", "queue_order"),
         ] {
             let err = NodeConfig::parse(bad).expect_err(bad).to_string();
             assert!(err.contains(says), "{bad}: {err}");

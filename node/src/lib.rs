@@ -590,6 +590,7 @@ impl Node {
         store.flush()?;
         let event_loop = EventLoop::new(LoopParts {
             owner_policy: (config.owner_policy, config.owner_grace),
+            queue_order: config.queue_order.into(),
             alerts: config.alert_rules(),
             lending,
             swarm,

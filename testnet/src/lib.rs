@@ -12,6 +12,7 @@ pub mod images;
 pub mod jobs;
 pub mod ledger;
 pub mod process;
+pub mod trace_network;
 pub mod trace_replay;
 
 use std::sync::Arc;

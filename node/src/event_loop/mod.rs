@@ -193,6 +193,8 @@ pub(crate) struct LoopParts {
     pub team: Option<Arc<crate::team::service::Team>>,
     /// What happens to jobs when a GPU's owner comes back, and after how long.
     pub owner_policy: (crate::owner::OwnerPolicy, Duration),
+    /// How waiting lease requests are ordered.
+    pub queue_order: gpunode_sched::Order,
     /// When GPUs are lent.
     pub lending: crate::owner::LendingHours,
     /// GPU alert thresholds and hook.
@@ -248,7 +250,7 @@ impl EventLoop {
                 parts.lending,
             ),
             alerts: crate::alerts::AlertWatch::new(parts.alerts),
-            waiting: queue::WaitQueue::new(),
+            waiting: queue::WaitQueue::new(parts.queue_order),
         }
     }
 

@@ -14,7 +14,7 @@ use crate::lease::{LeaseRole, LeaseState};
 use gpunode_protocol::lease::LeaseId;
 
 /// A place nobody asked for again in this long is dropped (its requester polls every
-/// half second while it waits, or took another provider's offer).
+/// 0.2 s while it waits, or took another provider's offer).
 pub(crate) const QUEUE_STALE_MS: u64 = 3_000;
 /// Usage a day ago counts half in fair share.
 pub(crate) const FAIR_SHARE_HALF_LIFE_MS: u64 = 24 * 3_600_000;
@@ -28,9 +28,9 @@ pub(crate) struct WaitQueue {
 }
 
 impl WaitQueue {
-    pub(crate) fn new() -> WaitQueue {
+    pub(crate) fn new(order: Order) -> WaitQueue {
         WaitQueue {
-            queue: Queue::new(Order::Fair, QUEUE_STALE_MS),
+            queue: Queue::new(order, QUEUE_STALE_MS),
             fair: FairShare::new(FAIR_SHARE_HALF_LIFE_MS),
         }
     }

@@ -47,7 +47,7 @@ const FIRST_WAIT_POLL: Duration = Duration::from_secs(1);
 const MAX_WAIT_POLL: Duration = Duration::from_secs(10);
 /// How often a job waiting in providers' queues asks again (well inside the time a
 /// provider keeps a place that nobody asks for: `QUEUE_STALE_MS`).
-const QUEUED_POLL: Duration = Duration::from_millis(500);
+const QUEUED_POLL: Duration = Duration::from_millis(200);
 /// How long after a reservation's start its job is sent (the provider activates it at
 /// its next tick).
 const RESERVATION_START_MARGIN_MS: u64 = 300;

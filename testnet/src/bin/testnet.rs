@@ -140,6 +140,29 @@ enum Bench {
         #[arg(long, default_value_t = 2.0)]
         overestimate: f64,
     },
+    /// Replays the busiest slice of the Alibaba GPU trace on real nodes (simulated GPUs
+    /// from the trace's node list, one client per user, sleep tasks), with every provider
+    /// fair and then FCFS, and prints the figures of both.
+    TraceNetwork {
+        /// Folder with openb_pod_list_default.csv and openb_node_list_gpu_node.csv.
+        #[arg(long, default_value = "../shared/data/traces")]
+        traces: std::path::PathBuf,
+        /// GPUs of the sampled network (every k-th trace node).
+        #[arg(long, default_value_t = 8)]
+        gpus: u32,
+        /// Jobs replayed.
+        #[arg(long, default_value_t = 60)]
+        jobs: usize,
+        /// Tenants (client nodes).
+        #[arg(long, default_value_t = 4)]
+        users: u32,
+        /// Wall milliseconds per trace hour.
+        #[arg(long, default_value_t = 1000)]
+        hour_ms: u64,
+        /// Longest job, wall ms.
+        #[arg(long, default_value_t = 8000)]
+        max_run_ms: u64,
+    },
     /// A compute kernel natively and as a wasm task; start time of a cached module.
     SandboxOverhead {
         /// Matrix size of the kernel.
@@ -338,6 +361,43 @@ fn main() -> Result<()> {
                         ..tr::ReplayConfig::default()
                     },
                 );
+                println!("{}", serde_json::to_string(&report)?);
+            }
+            Ok(())
+        }
+        Cmd::Bench {
+            which:
+                Bench::TraceNetwork {
+                    traces,
+                    gpus,
+                    jobs,
+                    users,
+                    hour_ms,
+                    max_run_ms,
+                },
+        } => {
+            use testnet::trace_network as tn;
+            use testnet::trace_replay as tr;
+            let cfg = tn::NetworkReplay {
+                jobs,
+                users,
+                hour_ms,
+                max_run_ms,
+            };
+            let all = tr::load_jobs(&traces.join("openb_pod_list_default.csv"), users)?;
+            let nodes = tr::sample_nodes(
+                &tr::load_nodes(&traces.join("openb_node_list_gpu_node.csv"))?,
+                gpus,
+            );
+            let window = tn::busiest_window(&all, jobs, &cfg);
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()?;
+            for order in [
+                gpunode_node::config::QueueOrder::Fair,
+                gpunode_node::config::QueueOrder::Fcfs,
+            ] {
+                let report = rt.block_on(tn::replay_network(&window, &nodes, order, cfg))?;
                 println!("{}", serde_json::to_string(&report)?);
             }
             Ok(())

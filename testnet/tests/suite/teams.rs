@@ -403,11 +403,17 @@ async fn higher_priority_work_preempts_only_where_the_policy_allows() {
     })
     .await;
     let set = async |text: &str| {
-        members[0].handle.team_set_policy(text).await.expect("policy");
+        members[0]
+            .handle
+            .team_set_policy(text)
+            .await
+            .expect("policy");
         let provider_team = members[2].handle.team().expect("in a team").clone();
         let wanted = text.lines().last().unwrap_or_default().to_string();
         eventually("the policy reaches the provider", LONG, async || {
-            provider_team.policy_text().is_some_and(|t| t.contains(&wanted))
+            provider_team
+                .policy_text()
+                .is_some_and(|t| t.contains(&wanted))
         })
         .await;
     };
