@@ -118,6 +118,21 @@ fn bad_flags_and_second_daemon_are_refused() {
     let out = gpunode(&d, &["offers", "--min-gpu-mem", "lots"]);
     assert_eq!(out.status.code(), Some(2));
     assert!(stderr(&out).contains("--min-gpu-mem"), "{}", stderr(&out));
+    // Reservation times: unreadable, or in the past, are refused before any network.
+    let out = gpunode(&d, &["reserve", "--at", "tomorrow", "--for", "1h"]);
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("invalid --at") && stderr(&out).contains("YYYY-MM-DD HH:MM"),
+        "{}",
+        stderr(&out)
+    );
+    let out = gpunode(&d, &["reserve", "--at", "2020-01-01 10:00", "--for", "1h"]);
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("not in the future"),
+        "{}",
+        stderr(&out)
+    );
 
     let first = ServeProcess::start(&gpunode_bin(), &d, &[]).expect("first daemon");
     let out = gpunode(

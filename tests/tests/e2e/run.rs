@@ -158,8 +158,16 @@ fn run_ships_a_task_to_a_peer_and_brings_back_its_output() {
         std::thread::sleep(Duration::from_millis(100));
     }
     assert!(running, "the detached job started");
-    let out = gpunode(&requester.data_dir, &["logs", &job_id[..8]]);
-    assert_eq!(stdout(&out), "started\n");
+    // "running" comes with the provider's start; the task's first line follows it.
+    let mut logged = String::new();
+    for _ in 0..100 {
+        logged = stdout(&gpunode(&requester.data_dir, &["logs", &job_id[..8]]));
+        if !logged.is_empty() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(logged, "started\n");
     let out = gpunode(&requester.data_dir, &["cancel", &job_id]);
     assert!(out.status.success(), "{}", stderr(&out));
     let out = gpunode(&requester.data_dir, &["logs", "--follow", &job_id]);
