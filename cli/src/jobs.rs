@@ -668,7 +668,7 @@ mod tests {
                 position: 2,
                 of: 3,
                 estimated_start_ms: Some(481_000),
-                reason: "GPU 0 is leased for 5m 00s more".into(),
+                reason: "GPU 0 is leased until 00:08:01 UTC".into(),
             },
         ));
         let text = explain(&j, 181_000);

@@ -229,10 +229,11 @@ fn waiting_reason(
         .filter_map(|g| {
             let f = g.free_at?;
             (f > now).then(|| {
+                // A time, not a duration, so the words stay true while it waits.
                 format!(
-                    "GPU {} is leased for {} more",
+                    "GPU {} is leased until {}",
                     g.index,
-                    human_duration(f - now)
+                    &gpunode_protocol::time::format_utc(f)[11..]
                 )
             })
         })
@@ -303,7 +304,9 @@ mod tests {
         let p2 = plan.get(&Ticket(2)).unwrap();
         assert_eq!(p2.start_ms, Some(now + 5 * MIN), "when GPU 1's lease ends");
         assert_eq!((p2.position, p2.of), (2, 3));
-        assert!(p2.describe(now).contains("GPU 1 is leased for 5m 00s more"));
+        assert!(p2
+            .describe(now)
+            .contains("GPU 1 is leased until 00:05:01 UTC"));
         let p3 = plan.get(&Ticket(3)).unwrap();
         assert_eq!(
             p3.start_ms,

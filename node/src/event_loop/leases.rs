@@ -134,8 +134,9 @@ impl EventLoop {
                             }
                         }
                         Err(r) => {
-                            // Out of CPU or RAM: a queued request keeps its place.
-                            if r.code != RejectCode::NoCapacity {
+                            // Out of CPU or RAM: a queued request keeps its place
+                            // (one without a ticket never keeps one).
+                            if r.code != RejectCode::NoCapacity || req.ticket.is_none() {
                                 self.queue_refused(&req);
                             }
                             LeaseReply::Rejected(r)

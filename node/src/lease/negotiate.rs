@@ -27,7 +27,7 @@ enum NotGranted {
 }
 
 /// A queue place in words: "queued: position 2 of 3; estimated start at 12:04:05 UTC:
-/// GPU 0 is leased for 3m 00s more".
+/// GPU 0 is leased until 12:04:05 UTC".
 pub fn describe_place(q: &QueuePlace) -> String {
     let when = match q.estimated_start_ms {
         Some(t) => format!("estimated start {}", gpunode_protocol::time::format_utc(t)),

@@ -62,7 +62,8 @@ async fn a_waiting_job_says_why_and_starts_when_the_gpu_frees() {
     assert!(
         why.reasons
             .iter()
-            .any(|(_, r)| r.contains("queued: position 1 of 1") && r.contains("GPU 0 is leased")),
+            .any(|(_, r)| r.contains("queued: position 1 of 1")
+                && r.contains("GPU 0 is leased until")),
         "{:?}",
         why.reasons
     );
