@@ -219,6 +219,18 @@ pub struct OfferFilter {
 }
 
 impl OfferFilter {
+    /// The GPU part of a lease's requirements (model, slice, memory): which GPUs could
+    /// serve it, however many are asked for and on whatever backend.
+    pub fn for_gpus_of(r: &crate::lease::Requirements) -> OfferFilter {
+        OfferFilter {
+            gpu_model: r.gpu_model.clone(),
+            gpu_slice: r.gpu_slice.clone(),
+            min_gpu_mem_bytes: r.min_gpu_mem_bytes,
+            gpus: None,
+            backend: None,
+        }
+    }
+
     /// Whether one GPU satisfies the model and memory parts of the filter.
     pub fn gpu_matches(&self, model: &str, memory_bytes: u64) -> bool {
         match (&self.gpu_slice, mig_profile(model)) {

@@ -195,15 +195,7 @@ impl Queue {
             place.reason = if start == now {
                 String::new()
             } else {
-                waiting_reason(
-                    &eligible,
-                    need,
-                    &chosen,
-                    start,
-                    now,
-                    i as u32,
-                    req.duration_ms,
-                )
+                waiting_reason(&eligible, need, &chosen, now, i as u32, req.duration_ms)
             };
             place.start_ms = Some(start);
             place.gpus = chosen;
@@ -213,12 +205,11 @@ impl Queue {
     }
 }
 
-/// Why a request placed at `start` cannot start now.
+/// Why a request placed on `chosen` cannot start now.
 fn waiting_reason(
     eligible: &[&GpuTimeline],
     need: usize,
     chosen: &[u32],
-    start: Millis,
     now: Millis,
     ahead: u32,
     duration_ms: u64,
@@ -259,7 +250,6 @@ fn waiting_reason(
     if parts.is_empty() {
         parts.push(format!("needs {need} GPU(s) free together"));
     }
-    let _ = start;
     parts.join("; ")
 }
 

@@ -18,7 +18,7 @@ use gpunode_node::NodeConfig;
 use gpunode_protocol::advert::OfferFilter;
 
 use crate::jobs::{events_until, outcome, request, task, until_end};
-use crate::trace_replay::{TraceJob, TraceNode};
+use crate::trace_replay::{TraceJob, TraceNode, WaitFigures};
 use crate::{TestNet, TestNetConfig};
 
 /// Knobs of a network replay.
@@ -221,27 +221,15 @@ pub async fn replay_network(
     }
     net.shutdown().await;
 
-    let mut waits: Vec<f64> = Vec::new();
-    let mut jct = 0.0;
-    let mut per_user: std::collections::HashMap<String, Vec<f64>> = Default::default();
-    for t in &timings {
+    let figures = WaitFigures::of(timings.iter().map(|t| {
         let started = t.started.unwrap_or(t.ended);
-        let wait = started.duration_since(t.submitted).as_secs_f64();
-        waits.push(wait);
-        jct += t.ended.duration_since(t.submitted).as_secs_f64();
-        let run = t.run.as_secs_f64();
-        per_user
-            .entry(t.user.clone())
-            .or_default()
-            .push(run / (run + wait));
-    }
-    waits.sort_by(f64::total_cmp);
-    let n = waits.len().max(1) as f64;
-    let xs: Vec<f64> = per_user
-        .values()
-        .map(|v| v.iter().sum::<f64>() / v.len() as f64)
-        .collect();
-    let (s, s2): (f64, f64) = (xs.iter().sum(), xs.iter().map(|x| x * x).sum());
+        (
+            t.user.as_str(),
+            started.duration_since(t.submitted).as_secs_f64(),
+            t.run.as_secs_f64(),
+            t.ended.duration_since(t.submitted).as_secs_f64(),
+        )
+    }));
     Ok(NetworkReport {
         order: match order {
             QueueOrder::Fair => "fair",
@@ -252,16 +240,9 @@ pub async fn replay_network(
         nodes: nodes.len(),
         gpus: total_gpus,
         utilization_while_waiting: utilization,
-        mean_wait_s: waits.iter().sum::<f64>() / n,
-        p95_wait_s: waits
-            .get(((waits.len() as f64 * 0.95) as usize).min(waits.len().saturating_sub(1)))
-            .copied()
-            .unwrap_or(0.0),
-        mean_jct_s: jct / n,
-        jain_index: if s2 > 0.0 {
-            s * s / (xs.len() as f64 * s2)
-        } else {
-            1.0
-        },
+        mean_wait_s: figures.mean_wait_s,
+        p95_wait_s: figures.p95_wait_s,
+        mean_jct_s: figures.mean_jct_s,
+        jain_index: figures.jain_index,
     })
 }

@@ -186,6 +186,59 @@ pub struct ReplayReport {
     pub unplaced: usize,
 }
 
+/// Wait figures of a replay.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct WaitFigures {
+    /// Mean wait, s.
+    pub mean_wait_s: f64,
+    /// 95th percentile wait, s.
+    pub p95_wait_s: f64,
+    /// Mean completion time (wait + run), s.
+    pub mean_jct_s: f64,
+    /// Jain's fairness index over users of (run time / time in system), 1 = fair.
+    pub jain_index: f64,
+}
+
+impl WaitFigures {
+    /// From each job's user, wait, run time and time in system (s).
+    pub fn of<'a>(jobs: impl IntoIterator<Item = (&'a str, f64, f64, f64)>) -> WaitFigures {
+        let mut waits = Vec::new();
+        let mut jct_sum = 0.0;
+        let mut per_user: HashMap<&str, Vec<f64>> = HashMap::new();
+        for (user, wait, run, in_system) in jobs {
+            waits.push(wait);
+            jct_sum += in_system;
+            let share = if wait + run > 0.0 {
+                run / (wait + run)
+            } else {
+                1.0
+            };
+            per_user.entry(user).or_default().push(share);
+        }
+        waits.sort_by(f64::total_cmp);
+        let n = waits.len().max(1) as f64;
+        let xs: Vec<f64> = per_user
+            .values()
+            .map(|v| v.iter().sum::<f64>() / v.len() as f64)
+            .collect();
+        let s: f64 = xs.iter().sum();
+        let s2: f64 = xs.iter().map(|x| x * x).sum();
+        WaitFigures {
+            mean_wait_s: waits.iter().sum::<f64>() / n,
+            p95_wait_s: waits
+                .get(((waits.len() as f64 * 0.95) as usize).min(waits.len().saturating_sub(1)))
+                .copied()
+                .unwrap_or(0.0),
+            mean_jct_s: jct_sum / n,
+            jain_index: if s2 == 0.0 {
+                1.0
+            } else {
+                s * s / (xs.len() as f64 * s2)
+            },
+        }
+    }
+}
+
 struct Provider {
     queue: Queue,
     fair: FairShare,
@@ -364,10 +417,8 @@ pub fn replay(
             }
         }
     }
-    let mut waits = Vec::new();
-    let mut per_user: HashMap<&str, Vec<f64>> = HashMap::new();
-    let mut jct_sum = 0.0;
     let mut unplaced = 0;
+    let mut samples = Vec::with_capacity(jobs.len());
     for (j, job) in jobs.iter().enumerate() {
         let Some(s) = start[j] else {
             unplaced += 1;
@@ -375,28 +426,9 @@ pub fn replay(
         };
         let wait = (s - job.submit_ms) as f64 / 1000.0;
         let run = job.run_ms as f64 / 1000.0;
-        waits.push(wait);
-        jct_sum += wait + run;
-        per_user
-            .entry(&job.user)
-            .or_default()
-            .push(run / (wait + run));
+        samples.push((job.user.as_str(), wait, run, wait + run));
     }
-    waits.sort_by(f64::total_cmp);
-    let n = waits.len().max(1) as f64;
-    let xs: Vec<f64> = per_user
-        .values()
-        .map(|v| v.iter().sum::<f64>() / v.len() as f64)
-        .collect();
-    let jain = {
-        let s: f64 = xs.iter().sum();
-        let s2: f64 = xs.iter().map(|x| x * x).sum();
-        if s2 == 0.0 {
-            1.0
-        } else {
-            s * s / (xs.len() as f64 * s2)
-        }
-    };
+    let figures = WaitFigures::of(samples);
     ReplayReport {
         order: match order {
             Order::Fair => "fair",
@@ -415,13 +447,10 @@ pub fn replay(
         } else {
             1.0
         },
-        mean_wait_s: waits.iter().sum::<f64>() / n,
-        p95_wait_s: waits
-            .get(((waits.len() as f64 * 0.95) as usize).min(waits.len().saturating_sub(1)))
-            .copied()
-            .unwrap_or(0.0),
-        mean_jct_s: jct_sum / n,
-        jain_index: jain,
+        mean_wait_s: figures.mean_wait_s,
+        p95_wait_s: figures.p95_wait_s,
+        mean_jct_s: figures.mean_jct_s,
+        jain_index: figures.jain_index,
         unplaced,
     }
 }

@@ -671,13 +671,7 @@ impl LeaseBook {
     /// not, lendable now or not.
     pub fn eligible_gpus(&self, req: &LeaseRequest) -> Vec<u32> {
         let r = &req.requirements;
-        let filter = OfferFilter {
-            gpu_model: r.gpu_model.clone(),
-            gpu_slice: r.gpu_slice.clone(),
-            min_gpu_mem_bytes: r.min_gpu_mem_bytes,
-            gpus: None,
-            backend: None,
-        };
+        let filter = OfferFilter::for_gpus_of(r);
         self.capacity
             .gpus
             .iter()
@@ -868,13 +862,7 @@ impl LeaseBook {
     ) -> Result<(Vec<LeasedGpu>, u32, u64), Rejection> {
         let r = &req.requirements;
         let committed = &self.totals.gpus;
-        let filter = OfferFilter {
-            gpu_model: r.gpu_model.clone(),
-            gpu_slice: r.gpu_slice.clone(),
-            min_gpu_mem_bytes: r.min_gpu_mem_bytes,
-            gpus: None,
-            backend: None,
-        };
+        let filter = OfferFilter::for_gpus_of(r);
         let free: Vec<_> = self
             .capacity
             .gpus

@@ -496,13 +496,7 @@ pub fn check_offer(
             r.gpus
         ));
     }
-    let filter = OfferFilter {
-        gpu_model: r.gpu_model.clone(),
-        gpu_slice: r.gpu_slice.clone(),
-        min_gpu_mem_bytes: r.min_gpu_mem_bytes,
-        gpus: None,
-        backend: None,
-    };
+    let filter = OfferFilter::for_gpus_of(r);
     if let Some(g) = terms
         .gpus
         .iter()

@@ -109,7 +109,9 @@ async fn the_user_with_less_recent_usage_is_served_first() {
             .expect("offers");
     }
     let provider = net.nodes[0].handle.peer_id().to_string();
-    // The heavy user holds the only GPU for a while: that is its recent usage.
+    // The heavy user holds the only GPU for a while: that is its recent usage (fair share
+    // counts GPU time actually held, so this wait is what the test measures, not a guess
+    // at how long something takes).
     let mut spec = bare_lease(&provider, 120_000);
     spec.gpus = 1;
     let held = heavy
