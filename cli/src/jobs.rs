@@ -171,6 +171,12 @@ fn job_request(args: &RunArgs) -> Result<JobRequest> {
         fuel: args.fuel,
         replicas: args.replicas,
         reservation: args.reservation.clone(),
+        max_output_bytes: args
+            .max_output
+            .as_deref()
+            .map(|v| parse_size("max-output", v))
+            .transpose()?,
+        max_output_files: args.max_output_files,
         wait: match (args.wait, args.no_wait) {
             (true, _) => Some(true),
             (_, true) => Some(false),

@@ -192,9 +192,17 @@ struct RunArgs {
     /// File or directory the task sees under /input (repeatable).
     #[arg(long, value_name = "PATH")]
     input: Vec<PathBuf>,
-    /// Where the files the task writes to /output go [default: ./gpunode-out/JOB_ID].
+    /// Where the files the task writes to /output go: DIR itself when it does not exist
+    /// yet, else a new DIR/JOB_ID; nothing there is ever replaced
+    /// [default: ./gpunode-out/JOB_ID].
     #[arg(long, value_name = "DIR")]
     output: Option<PathBuf>,
+    /// Most bytes of outputs the provider may send back, e.g. 2G [default: 16G].
+    #[arg(long, value_name = "SIZE")]
+    max_output: Option<String>,
+    /// Most output files the provider may send back [default: 10000].
+    #[arg(long, value_name = "N")]
+    max_output_files: Option<u32>,
     /// GPUs to lease.
     #[arg(long, default_value_t = 0)]
     gpus: u32,

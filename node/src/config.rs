@@ -143,6 +143,15 @@ pub struct NodeConfig {
     /// Pre-shared key (64 hex digits) for TCP connections (libp2p pnet): nodes without
     /// it cannot even complete a TCP handshake. QUIC cannot use it.
     pub team_psk: Option<String>,
+    /// Most connections open at once, all peers together.
+    pub max_connections: u32,
+    /// Most connections one peer may have open.
+    pub max_connections_per_peer: u32,
+    /// Most inbound connections from one IP address (0: no limit; a test network on
+    /// one machine needs that).
+    pub max_connections_per_ip: u32,
+    /// Most inbound connections still in their handshake.
+    pub max_pending_connections: u32,
 }
 
 impl Default for NodeConfig {
@@ -192,6 +201,10 @@ impl Default for NodeConfig {
             debt_limit: 0.0,
             min_reputation: 0.2,
             team_psk: None,
+            max_connections: 1024,
+            max_connections_per_peer: 8,
+            max_connections_per_ip: 64,
+            max_pending_connections: 128,
         }
     }
 }

@@ -44,6 +44,9 @@ pub enum DataDirError {
     },
 }
 
+/// Where a node running as root keeps jobs' directories (see [`DataDir::job_root`]).
+pub const SYSTEM_JOB_ROOT: &str = "/var/lib/gpunode";
+
 /// Paths inside a node's data directory.
 #[derive(Debug, Clone)]
 pub struct DataDir {
@@ -94,14 +97,37 @@ impl DataDir {
         self.root.join("cache").join("blobs")
     }
 
-    /// Unpacked container images, by archive digest.
-    pub fn image_dir(&self) -> PathBuf {
-        self.root.join("cache").join("images")
+    /// Where jobs' working directories and unpacked container images go.
+    ///
+    /// A container job runs as a uid of its own when the node runs as root, and that
+    /// uid must reach its directories without the operator's home being opened (root's
+    /// home, and the default data dir in it, are 0700). So as root they live under
+    /// [`SYSTEM_JOB_ROOT`]`/jobs-<id of this data dir>`, a path only root writes and
+    /// that others may traverse but not list (0711). Otherwise jobs run as this user,
+    /// and the data dir itself serves.
+    pub fn job_root(&self) -> PathBuf {
+        if gpunode_sandbox::container::procs::effective_uid() != 0 {
+            return self.root.clone();
+        }
+        let absolute = std::path::absolute(&self.root).unwrap_or_else(|_| self.root.clone());
+        let id = blake3::hash(absolute.as_os_str().as_encoded_bytes());
+        Path::new(SYSTEM_JOB_ROOT).join(format!("jobs-{}", &id.to_hex()[..16]))
     }
 
-    /// Working directories of jobs running here.
+    /// Unpacked container images, by archive digest.
+    pub fn image_dir(&self) -> PathBuf {
+        self.job_root().join("cache").join("images")
+    }
+
+    /// Working directories of wasm jobs running here.
     pub fn jobs_dir(&self) -> PathBuf {
         self.root.join("jobs")
+    }
+
+    /// Working directories of jobs on a node that runs container jobs (under the job
+    /// root, reachable by their uids).
+    pub fn container_jobs_dir(&self) -> PathBuf {
+        self.job_root().join("jobs")
     }
 
     /// The control socket of the local API.

@@ -14,6 +14,7 @@ pub mod api;
 pub mod config;
 pub mod data_dir;
 mod event_loop;
+pub mod inbound;
 pub mod inventory;
 pub mod jobs;
 pub mod lease;
@@ -221,10 +222,12 @@ impl NodeHandle {
     pub fn submit_job(&self, mut req: jobs::JobRequest) -> jobs::JobView {
         let table = self.jobs.table.clone();
         let (job_id, cancel) = table.insert(&req);
-        if req.output_per_job {
-            req.output_dir = req.output_dir.join(&job_id);
-            req.output_per_job = false;
-        }
+        req.output_dir = if req.output_per_job {
+            req.output_dir.join(&job_id)
+        } else {
+            jobs::outputs::final_dir(&req.output_dir, &job_id)
+        };
+        req.output_per_job = false;
         let node = self.clone();
         let id = job_id.clone();
         tokio::spawn(async move {
@@ -404,6 +407,12 @@ impl Node {
                 server: opts.role == Role::Provider,
                 team: team.as_ref().map(|t| (t.state().team, t.allowed())),
                 tcp_psk: config.tcp_psk()?,
+                limits: network::ConnectionCaps {
+                    total: config.max_connections,
+                    per_peer: config.max_connections_per_peer,
+                    per_ip: config.max_connections_per_ip,
+                    pending_incoming: config.max_pending_connections,
+                },
             },
         )?;
         let listen = if opts.role == Role::Client {
@@ -424,6 +433,7 @@ impl Node {
         }
 
         let metrics = Metrics::new();
+        swarm.behaviour_mut().per_ip.set_metrics(metrics.clone());
         let (commands_tx, commands_rx) = mpsc::channel(64);
         let isolation = match &opts.wasm_worker {
             Some(binary) => gpunode_sandbox::Isolation::Process(binary.clone()),
@@ -456,6 +466,7 @@ impl Node {
             let listener = api::bind_socket(&opts.data_dir.api_socket())?;
             tasks.push(tokio::spawn(api::serve_unix(
                 listener,
+                opts.data_dir.api_socket(),
                 handle.clone(),
                 stop_rx.clone(),
             )));
@@ -518,6 +529,7 @@ impl Node {
                 })?;
             let containers = if config.backends.iter().any(|b| b == "container") {
                 let runtime = jobs::containers::ContainerRuntime::open(
+                    &opts.data_dir.job_root(),
                     &opts.data_dir.image_dir(),
                     config.allow_host_env,
                     config.max_image_bytes,
@@ -527,19 +539,25 @@ impl Node {
             } else {
                 None
             };
+            // Container jobs may run as uids of their own: their directories go under
+            // the job root, which they can reach (see `DataDir::job_root`).
+            let jobs_dir = match containers {
+                Some(_) => opts.data_dir.container_jobs_dir(),
+                None => opts.data_dir.jobs_dir(),
+            };
             let service = Arc::new(jobs::provider::JobService {
                 node: handle.clone(),
                 executor: executor.clone(),
                 containers,
                 blobs: Arc::new(blobs),
-                jobs_dir: opts.data_dir.jobs_dir(),
+                jobs_dir: jobs_dir.clone(),
                 lease_jobs: lease_jobs.clone(),
                 slots: jobs::slots::Slots::new(cores),
                 total_slots: cores,
                 max_job_bytes: config.max_job_bytes,
             });
             // Working directories left by a crash are stale: their jobs are gone.
-            let _ = std::fs::remove_dir_all(opts.data_dir.jobs_dir());
+            let _ = std::fs::remove_dir_all(&jobs_dir);
             tasks.push(tokio::spawn(service.serve(incoming, stop_rx.clone())));
         }
 

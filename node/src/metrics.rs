@@ -49,6 +49,11 @@ pub struct Metrics {
     pub receipts_settled: Counter,
     /// Receipts refused, by reason (`inflated`, `duplicate`, `bad_signature`, ...).
     pub receipts_rejected: Family<Vec<(String, String)>, Counter>,
+    /// Inbound streams dropped, by protocol and reason (`busy`: the protocol's handlers
+    /// are all taken; `silent`: nothing useful arrived before the deadline).
+    pub streams_refused: Family<Vec<(String, String)>, Counter>,
+    /// Inbound connections refused by the per-IP limit.
+    pub connections_refused: Counter,
 }
 
 impl Metrics {
@@ -153,8 +158,22 @@ impl Metrics {
             "Usage receipts refused, by reason",
             receipts_rejected.clone(),
         );
+        let streams_refused = Family::<Vec<(String, String)>, Counter>::default();
+        let connections_refused = Counter::default();
+        registry.register(
+            "streams_refused",
+            "Inbound streams dropped, by protocol and reason (busy, silent)",
+            streams_refused.clone(),
+        );
+        registry.register(
+            "connections_refused",
+            "Inbound connections refused by the per-IP limit",
+            connections_refused.clone(),
+        );
         let gpus = GpuGauges::register(&mut registry);
         Arc::new(Metrics {
+            streams_refused,
+            connections_refused,
             gpus,
             receipts_settled,
             receipts_rejected,
@@ -182,6 +201,26 @@ impl Metrics {
         self.adverts_rejected
             .get_or_create(&vec![("reason".to_string(), reason.to_string())])
             .inc();
+    }
+
+    /// Counts an inbound stream of `protocol` dropped for `reason`.
+    pub fn stream_refused(&self, protocol: &str, reason: &str) {
+        self.streams_refused
+            .get_or_create(&vec![
+                ("protocol".to_string(), protocol.to_string()),
+                ("reason".to_string(), reason.to_string()),
+            ])
+            .inc();
+    }
+
+    /// How many inbound streams of `protocol` were dropped for `reason`.
+    pub fn stream_refused_count(&self, protocol: &str, reason: &str) -> u64 {
+        self.streams_refused
+            .get_or_create(&vec![
+                ("protocol".to_string(), protocol.to_string()),
+                ("reason".to_string(), reason.to_string()),
+            ])
+            .get()
     }
 
     /// Counts a job that ran, under its outcome.

@@ -35,6 +35,10 @@ pub struct NetworkSetupError(String);
 /// All protocols a node runs.
 #[derive(NetworkBehaviour)]
 pub struct NodeBehaviour {
+    /// Totals, pending and per-peer connection limits.
+    pub limits: libp2p::connection_limits::Behaviour,
+    /// Inbound connections per remote IP address.
+    pub per_ip: crate::inbound::IpLimit,
     /// In a team: only members (and open invites' join identities) may connect; anyone
     /// else is dropped right after the handshake, before any other protocol runs.
     pub allow: Toggle<allow_block_list::Behaviour<allow_block_list::AllowedPeers>>,
@@ -67,6 +71,32 @@ pub struct SwarmSettings {
     pub team: Option<(gpunode_protocol::team::TeamId, HashSet<PeerId>)>,
     /// Pre-shared key for TCP (libp2p pnet), when set.
     pub tcp_psk: Option<[u8; 32]>,
+    /// Connection limits.
+    pub limits: ConnectionCaps,
+}
+
+/// How many connections a node holds open, so that no peer or host can exhaust it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConnectionCaps {
+    /// All peers together.
+    pub total: u32,
+    /// One peer.
+    pub per_peer: u32,
+    /// Inbound from one IP address (0: no limit).
+    pub per_ip: u32,
+    /// Inbound connections still in their handshake.
+    pub pending_incoming: u32,
+}
+
+impl Default for ConnectionCaps {
+    fn default() -> Self {
+        ConnectionCaps {
+            total: 1024,
+            per_peer: 8,
+            per_ip: 64,
+            pending_incoming: 128,
+        }
+    }
 }
 
 /// Builds the swarm for `key` with every protocol configured.
@@ -180,7 +210,16 @@ fn behaviour(
         }
         allow
     });
+    let caps = settings.limits;
+    let limits = libp2p::connection_limits::Behaviour::new(
+        libp2p::connection_limits::ConnectionLimits::default()
+            .with_max_established(Some(caps.total))
+            .with_max_established_per_peer(Some(caps.per_peer))
+            .with_max_pending_incoming(Some(caps.pending_incoming)),
+    );
     Ok(NodeBehaviour {
+        limits,
+        per_ip: crate::inbound::IpLimit::new(caps.per_ip, None),
         allow: Toggle::from(allow),
         kad,
         identify,

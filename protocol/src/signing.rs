@@ -56,17 +56,62 @@ pub fn key_of(claimed: &PeerId, public_key: &[u8]) -> Result<PublicKey, Signatur
 }
 
 /// Verifies `signature` over `tag || body` with `key`.
+///
+/// For ed25519 keys (every gpunode identity) this is the same rule as
+/// [`verify_batch`]: small-order public keys and small-order `R` are refused, `s` must
+/// be canonical, and the equation is checked with the cofactor, so a signature that
+/// passes one check passes the other.
 pub fn verify(
     key: &PublicKey,
     tag: &[u8],
     body: &[u8],
     signature: &[u8],
 ) -> Result<(), SignatureError> {
-    if key.verify(&tagged(tag, body), signature) {
+    let ok = match key.clone().try_into_ed25519() {
+        Ok(k) => verify_ed25519(&k.to_bytes(), tag, body, signature),
+        Err(_) => key.verify(&tagged(tag, body), signature),
+    };
+    if ok {
         Ok(())
     } else {
         Err(SignatureError::BadSignature)
     }
+}
+
+/// One ed25519 signature under the rule of [`verify`].
+fn verify_ed25519(key: &[u8; 32], tag: &[u8], body: &[u8], signature: &[u8]) -> bool {
+    use curve25519_dalek::edwards::{CompressedEdwardsY, EdwardsPoint};
+    use curve25519_dalek::traits::IsIdentity;
+    use curve25519_dalek::Scalar;
+    use sha2::{Digest, Sha512};
+
+    let Ok(sig) = <&[u8; 64]>::try_from(signature) else {
+        return false;
+    };
+    let Some(a) = CompressedEdwardsY(*key).decompress() else {
+        return false;
+    };
+    let Some(r) = CompressedEdwardsY(sig[..32].try_into().unwrap_or([0; 32])).decompress() else {
+        return false;
+    };
+    if a.is_small_order() || r.is_small_order() {
+        return false;
+    }
+    let s: Option<Scalar> =
+        Scalar::from_canonical_bytes(sig[32..].try_into().unwrap_or([0xff; 32])).into();
+    let Some(s) = s else {
+        return false;
+    };
+    let h = Scalar::from_hash(
+        Sha512::new()
+            .chain_update(&sig[..32])
+            .chain_update(key)
+            .chain_update(tag)
+            .chain_update(body),
+    );
+    // [8](sB - hA - R) == 0
+    let check = EdwardsPoint::vartime_double_scalar_mul_basepoint(&-h, &a, &s) - r;
+    check.mul_by_cofactor().is_identity()
 }
 
 /// One signature in a batch: `signature` by `signer` over `tag || body`.
@@ -146,7 +191,6 @@ fn verify_in_batches(items: &[BatchItem<'_>], batch: usize) -> Result<(), usize>
 struct CachedKey {
     compressed: [u8; 32],
     point: curve25519_dalek::EdwardsPoint,
-    strict: ed25519_dalek::VerifyingKey,
 }
 
 #[derive(Default)]
@@ -166,14 +210,13 @@ impl KeyCache {
             .and_then(|k| k.try_into_ed25519().ok())
             .and_then(|k| {
                 let compressed = k.to_bytes();
-                let strict = ed25519_dalek::VerifyingKey::from_bytes(&compressed).ok()?;
                 let point =
                     curve25519_dalek::edwards::CompressedEdwardsY(compressed).decompress()?;
-                Some(CachedKey {
-                    compressed,
-                    point,
-                    strict,
-                })
+                // A small-order key would verify forged signatures.
+                if point.is_small_order() {
+                    return None;
+                }
+                Some(CachedKey { compressed, point })
             });
         let i = key.map(|k| {
             self.keys.push(k);
@@ -199,7 +242,9 @@ fn verify_chunk(chunk: &[BatchItem<'_>], keys: &mut KeyCache) -> Result<(), usiz
     for item in chunk {
         let parts = keys.get(item.signer).and_then(|k| {
             let sig: &[u8; 64] = item.signature.try_into().ok()?;
-            let r = CompressedEdwardsY(sig[..32].try_into().ok()?).decompress()?;
+            let r = CompressedEdwardsY(sig[..32].try_into().ok()?)
+                .decompress()
+                .filter(|r| !r.is_small_order())?;
             let s: Option<Scalar> = Scalar::from_canonical_bytes(sig[32..].try_into().ok()?).into();
             Some((k, sig, r, s?))
         });
@@ -239,17 +284,17 @@ fn verify_chunk(chunk: &[BatchItem<'_>], keys: &mut KeyCache) -> Result<(), usiz
     }
     for (i, item) in chunk.iter().enumerate() {
         let k = keys.get(item.signer).ok_or(i)?;
-        let sig = ed25519_dalek::Signature::from_slice(item.signature).map_err(|_| i)?;
-        if keys.keys[k]
-            .strict
-            .verify_strict(&tagged(item.tag, item.body), &sig)
-            .is_err()
-        {
+        if !verify_ed25519(
+            &keys.keys[k].compressed,
+            item.tag,
+            item.body,
+            item.signature,
+        ) {
             return Err(i);
         }
     }
-    // The batch equation failed although each signature passes alone (a signature
-    // crafted against cofactor differences): reject the batch as a whole.
+    // Each signature passes alone under the same cofactored rule, so the batch can fail
+    // only with probability 2^-128 (its random coefficients): reject it as a whole.
     Err(0)
 }
 
@@ -310,6 +355,49 @@ mod tests {
         sigs[7] = b"short".to_vec();
         assert_eq!(items(&sigs), Err(7));
         assert_eq!(verify_batch(&[]), Ok(()));
+    }
+
+    #[test]
+    fn small_order_keys_and_points_are_refused_in_single_and_batch_checks() {
+        // The identity point as public key, R = identity and s = 0: the classic forgery
+        // that a cofactorless check without a small-order test accepts for any message.
+        let mut identity = [0u8; 32];
+        identity[0] = 1;
+        let weak = libp2p_identity::ed25519::PublicKey::try_from_bytes(&identity)
+            .expect("dalek decodes the identity point");
+        let weak: PublicKey = weak.into();
+        let peer = weak.to_peer_id();
+        let mut forged = [0u8; 64];
+        forged[..32].copy_from_slice(&identity);
+        assert!(
+            weak.verify(b"tbody", &forged),
+            "the forgery works without the checks"
+        );
+        assert_eq!(
+            verify(&weak, b"t", b"body", &forged),
+            Err(SignatureError::BadSignature)
+        );
+        let item = BatchItem {
+            signer: &peer,
+            tag: b"t",
+            body: b"body",
+            signature: &forged,
+        };
+        assert_eq!(verify_batch(&[item]), Err(0));
+        // A real key with a small-order R is refused too.
+        let k = Keypair::generate_ed25519();
+        let good_peer = k.public().to_peer_id();
+        let mut sig = sign(&k, b"t", b"body").expect("sign");
+        assert_eq!(verify(&k.public(), b"t", b"body", &sig), Ok(()));
+        sig[..32].copy_from_slice(&identity);
+        assert!(verify(&k.public(), b"t", b"body", &sig).is_err());
+        let item = BatchItem {
+            signer: &good_peer,
+            tag: b"t",
+            body: b"body",
+            signature: &sig,
+        };
+        assert_eq!(verify_batch(&[item]), Err(0));
     }
 
     #[test]

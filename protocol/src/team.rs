@@ -222,7 +222,14 @@ impl SignedCertificate {
                 c.version
             )));
         }
-        if c.expires_ms + MAX_CLOCK_SKEW_MS < now {
+        if c.issued_ms > now.saturating_add(MAX_CLOCK_SKEW_MS) {
+            return Err(TeamError::BadSignature(format!(
+                "the certificate of {} is dated {} ms in the future, more than the {MAX_CLOCK_SKEW_MS} ms clock skew tolerated",
+                c.member,
+                c.issued_ms - now
+            )));
+        }
+        if c.expires_ms.saturating_add(MAX_CLOCK_SKEW_MS) < now {
             return Err(TeamError::Expired(format!(
                 "the certificate of {} expired at {} (unix ms); it must be renewed by an admin",
                 c.member, c.expires_ms
@@ -275,7 +282,8 @@ impl SignedCertificate {
 pub struct Revocations {
     /// The team.
     pub team: TeamId,
-    /// Grows with every new list; a node keeps the highest.
+    /// Grows with every new list of the same issuer; a node keeps each issuer's
+    /// highest and merges the lists of all issuers.
     pub seq: u64,
     /// Revoked peers, with when.
     pub revoked: Vec<(PeerId, UnixMillis)>,
@@ -528,8 +536,8 @@ pub enum JoinReply {
         cert: SignedCertificate,
         /// Everyone's certificates.
         members: Vec<SignedCertificate>,
-        /// The current revocation list, if any.
-        revocations: Option<SignedRevocations>,
+        /// The newest revocation list of each issuer (they are merged).
+        revocations: Vec<SignedRevocations>,
         /// The current team policy, if any.
         policy: Option<SignedPolicy>,
     },
@@ -544,8 +552,8 @@ pub struct TeamSync {
     pub team: TeamId,
     /// Certificates known to the sender.
     pub certs: Vec<SignedCertificate>,
-    /// The newest revocation list known to the sender.
-    pub revocations: Option<SignedRevocations>,
+    /// The newest revocation list of each issuer known to the sender.
+    pub revocations: Vec<SignedRevocations>,
     /// The newest policy known to the sender.
     pub policy: Option<SignedPolicy>,
 }

@@ -30,6 +30,8 @@ pub fn request(module: PathBuf, output_dir: &Path) -> JobRequest {
         gpu_slice: None,
         wait: None,
         reservation: None,
+        max_output_bytes: None,
+        max_output_files: None,
         cpus: 1,
         mem_bytes: 256 << 20,
         timeout_ms: 60_000,

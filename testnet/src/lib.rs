@@ -132,6 +132,8 @@ fn node_config(
         simulate_gpus: spec.cloned(),
         cpu_cores: Some(8),
         ram: Some(64 << 30),
+        // Every node of a test network is on 127.0.0.1.
+        max_connections_per_ip: 0,
         ..NodeConfig::default()
     };
     config.listen = vec![cfg.transport.listen_addr().parse()?];

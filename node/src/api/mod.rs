@@ -14,7 +14,7 @@
 
 mod client;
 
-use std::os::unix::fs::PermissionsExt;
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -88,9 +88,26 @@ pub fn bind_socket(path: &Path) -> Result<UnixListener, ApiError> {
         path: path.to_path_buf(),
         source,
     };
-    let listener = UnixListener::bind(path).map_err(err)?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(err)?;
-    Ok(listener)
+    // Bound inside a fresh 0700 directory, made 0600 there, then moved into place: the
+    // socket is never reachable by others, whatever the umask (a chmod after binding
+    // in place would leave a window).
+    let parent = path.parent().unwrap_or(Path::new("."));
+    let private = parent.join(format!(".api-{:016x}", rand::random::<u64>()));
+    std::fs::DirBuilder::new()
+        .mode(0o700)
+        .create(&private)
+        .map_err(err)?;
+    let staged = private.join("api.sock");
+    let bound = UnixListener::bind(&staged)
+        .and_then(|l| {
+            std::fs::set_permissions(&staged, std::fs::Permissions::from_mode(0o600))?;
+            std::fs::rename(&staged, path)?;
+            Ok(l)
+        })
+        .map_err(err);
+    let _ = std::fs::remove_file(&staged);
+    let _ = std::fs::remove_dir(&private);
+    bound
 }
 
 struct ApiError500(String);
@@ -386,13 +403,17 @@ async fn metrics_text(metrics: Arc<Metrics>) -> Response {
         .into_response()
 }
 
-/// Serves the full API on the Unix socket until `stop` turns true.
-pub async fn serve_unix(listener: UnixListener, node: NodeHandle, mut stop: watch::Receiver<bool>) {
+/// Serves the full API on the Unix socket at `path` until `stop` turns true, then
+/// removes the socket file.
+pub async fn serve_unix(
+    listener: UnixListener,
+    path: PathBuf,
+    node: NodeHandle,
+    mut stop: watch::Receiver<bool>,
+) {
     let metrics = node.metrics().clone();
-    let path = listener
-        .local_addr()
-        .ok()
-        .and_then(|a| a.as_pathname().map(Path::to_path_buf));
+    // The listener's own address is where it was bound, not where it was moved.
+    let path = Some(path);
     let app = Router::new()
         .route("/v1/status", get(status))
         .route("/v1/offers", get(offers))
@@ -436,4 +457,34 @@ pub async fn serve_metrics(
             let _ = stop.wait_for(|s| *s).await;
         })
         .await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn the_socket_is_private_from_the_start_and_leaves_nothing_behind() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let path = dir.path().join("api.sock");
+        let listener = bind_socket(&path).expect("bind");
+        let mode = std::fs::metadata(&path)
+            .expect("socket")
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600);
+        // Only the socket is there: no staging directory was left.
+        let names: Vec<_> = std::fs::read_dir(dir.path())
+            .expect("dir")
+            .map(|e| e.expect("entry").file_name())
+            .collect();
+        assert_eq!(names, vec![std::ffi::OsString::from("api.sock")]);
+        // It answers at its final path, and a second daemon is refused.
+        assert!(std::os::unix::net::UnixStream::connect(&path).is_ok());
+        assert!(matches!(
+            bind_socket(&path),
+            Err(ApiError::AlreadyRunning(_))
+        ));
+        drop(listener);
+    }
 }

@@ -79,7 +79,14 @@ impl EventLoop {
         self.metrics.lease_messages.inc();
         let now = now_ms();
         let committed_before = self.leases.advertised();
+        // In a team every lease message is from a member, checked here and not only by
+        // the connection allow-list (which also lets invite join identities in).
+        let not_member = self.team.as_ref().is_some_and(|t| !t.is_member(&peer));
         let reply = match request {
+            _ if not_member => LeaseReply::Rejected(Rejection::new(
+                RejectCode::PeerNotAllowed,
+                "not a member of this team (no valid certificate, or revoked)",
+            )),
             InboundLease::Invalid(r) => LeaseReply::Rejected(r),
             InboundLease::Message(LeaseMessage::Request(req)) => {
                 let id = LeaseId(rand::random());
@@ -173,15 +180,40 @@ impl EventLoop {
                     .lending
                     .check(renewal.new_end_ms.saturating_sub(now), now)
                     .map_err(|m| Rejection::new(RejectCode::LendingHours, m));
-                match hours.and_then(|()| {
+                // A renewal is more GPU time: it counts against the team quotas like a
+                // new lease of the added time.
+                let added = self.leases.get(&renewal.lease_id).map(|l| {
+                    (
+                        l.terms.gpus.len() as u32,
+                        renewal.new_end_ms.saturating_sub(l.terms.end_ms),
+                    )
+                });
+                let policy = hours.and_then(|()| match (&self.team, added) {
+                    (Some(team), Some((gpus, extra_ms))) if extra_ms > 0 => team
+                        .check_lease(
+                            &peer,
+                            gpunode_protocol::team::JobKind::Interactive,
+                            gpus,
+                            extra_ms,
+                            now,
+                        )
+                        .map_err(|m| Rejection::new(RejectCode::TeamPolicy, m)),
+                    _ => Ok(()),
+                });
+                match policy.and_then(|()| {
                     self.leases
                         .on_renew(&peer, &renewal, &signature, &self.keypair, now)
                 }) {
-                    Ok(provider_sig) => LeaseReply::Renewed {
-                        lease_id: renewal.lease_id,
-                        new_end_ms: renewal.new_end_ms,
-                        provider_sig,
-                    },
+                    Ok(provider_sig) => {
+                        if let (Some(team), Some((gpus, extra_ms))) = (&self.team, added) {
+                            team.record_grant(peer, now, gpus, extra_ms);
+                        }
+                        LeaseReply::Renewed {
+                            lease_id: renewal.lease_id,
+                            new_end_ms: renewal.new_end_ms,
+                            provider_sig,
+                        }
+                    }
                     Err(r) => LeaseReply::Rejected(r),
                 }
             }
@@ -318,7 +350,7 @@ impl EventLoop {
     ) -> Result<LeaseRecord, String> {
         let id = terms.lease_id;
         self.leases
-            .record_requester_lease(terms, provider_sig, requester_sig, now_ms());
+            .record_requester_lease(terms, provider_sig, requester_sig, now_ms())?;
         self.persist_durably()?;
         self.leases
             .get(&id)

@@ -17,15 +17,16 @@ pub struct ContainerRuntime {
 }
 
 impl ContainerRuntime {
-    /// Finds bubblewrap and opens the image cache under `image_dir`; the error says
-    /// what to install.
+    /// Finds bubblewrap and opens the image cache under `image_dir`, inside the node's
+    /// job root `job_root`; the error says what to install.
     pub fn open(
+        job_root: &Path,
         image_dir: &Path,
         allow_host_env: bool,
         max_image_bytes: u64,
     ) -> Result<ContainerRuntime, String> {
         let config = ContainerConfig::detect().map_err(|e| e.to_string())?;
-        open_path_to(image_dir).map_err(|e| {
+        open_path_to(job_root, image_dir).map_err(|e| {
             format!(
                 "cannot make {} reachable for container jobs: {e}",
                 image_dir.display()
@@ -41,23 +42,25 @@ impl ContainerRuntime {
     }
 }
 
-/// Makes every directory from the data dir down to `dir` traversable by others (0711:
-/// no listing) so that a container job, which runs as a uid of its own, can reach its
-/// image root; the data dir's secrets stay in files only their owner can read (the
-/// identity key 0600) and in `store/`, which is closed (0700).
-fn open_path_to(dir: &Path) -> std::io::Result<()> {
+/// Makes every directory from `root` down to `dir` traversable by others (0711: no
+/// listing) so that a container job, which runs as a uid of its own, can reach its
+/// image root. `root` is the node's job root (see `DataDir::job_root`): as root it is
+/// outside the data dir, which stays closed.
+fn open_path_to(root: &Path, dir: &Path) -> std::io::Result<()> {
     use std::os::unix::fs::PermissionsExt;
     std::fs::create_dir_all(dir)?;
-    // `dir` is DATA/cache/images.
-    let mut chain: Vec<&Path> = dir.ancestors().take(3).collect();
-    chain.reverse();
-    for path in chain {
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o711))?;
+    if gpunode_sandbox::container::procs::effective_uid() != 0 {
+        // Not root: jobs run as this user and need nothing opened.
+        return Ok(());
     }
-    if let Some(store) = dir.parent().and_then(Path::parent).map(|d| d.join("store")) {
-        if store.is_dir() {
-            std::fs::set_permissions(&store, std::fs::Permissions::from_mode(0o700))?;
+    for path in dir.ancestors() {
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o711))?;
+        if path == root {
+            break;
         }
+    }
+    if let Some(parent) = root.parent() {
+        std::fs::set_permissions(parent, std::fs::Permissions::from_mode(0o711))?;
     }
     Ok(())
 }

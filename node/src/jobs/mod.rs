@@ -16,6 +16,7 @@
 pub mod blobs;
 pub mod containers;
 pub mod gpu_use;
+pub mod outputs;
 pub mod provider;
 mod replicas;
 pub mod requester;

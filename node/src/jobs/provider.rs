@@ -29,6 +29,7 @@ use super::blobs::BlobCache;
 use super::containers::ContainerRuntime;
 use super::wire::{self, Frame};
 use super::{JobControl, LeaseJobs};
+use crate::inbound::{StreamGate, FIRST_MESSAGE_DEADLINE};
 use crate::lease::{LeaseRole, LeaseState};
 use crate::NodeHandle;
 
@@ -88,6 +89,9 @@ enum Ready {
 
 /// How long after its lease's end a job's exchange may still finish sending outputs.
 const AFTER_LEASE_GRACE: Duration = Duration::from_secs(30);
+/// Most job streams served at once (running jobs are bounded by the job slots and
+/// leases; this bounds streams that are opened and left idle).
+const MAX_JOB_STREAMS: usize = 256;
 
 impl JobService {
     /// Serves inbound job streams until `stop` turns true. Guests are stopped through
@@ -97,12 +101,23 @@ impl JobService {
         mut incoming: libp2p_stream::IncomingStreams,
         mut stop: watch::Receiver<bool>,
     ) {
+        let gate = StreamGate::new(
+            "job",
+            MAX_JOB_STREAMS,
+            FIRST_MESSAGE_DEADLINE,
+            self.node.metrics().clone(),
+        );
         loop {
             tokio::select! {
                 next = incoming.next() => match next {
                     Some((peer, stream)) => {
-                        let me = self.clone();
-                        tokio::spawn(async move { me.handle(peer, stream).await });
+                        // Past the limit the stream is dropped unread.
+                        let Some(permit) = gate.enter() else { continue };
+                        let (me, gate) = (self.clone(), gate.clone());
+                        tokio::spawn(async move {
+                            me.handle(peer, stream, &gate).await;
+                            drop(permit);
+                        });
                     }
                     None => return,
                 },
@@ -111,9 +126,9 @@ impl JobService {
         }
     }
 
-    async fn handle(self: Arc<Self>, peer: PeerId, stream: Stream) {
+    async fn handle(self: Arc<Self>, peer: PeerId, stream: Stream, gate: &StreamGate) {
         let (mut r, mut w) = AsyncReadExt::split(stream);
-        let submit = match wire::read_message::<_, RequesterMsg>(&mut r).await {
+        let submit = match gate.first_message::<_, RequesterMsg>(&mut r).await {
             Ok(RequesterMsg::Submit(s)) => s,
             Ok(RequesterMsg::Cancel) => return,
             Err(e) => {
@@ -168,6 +183,12 @@ impl JobService {
     }
 
     async fn admit(&self, peer: PeerId, s: &JobSubmit) -> Result<Admitted, JobRejection> {
+        if self.node.team().is_some_and(|t| !t.is_member(&peer)) {
+            return Err(reject(
+                JobRefusal::NotYourLease,
+                "not a member of this team (no valid certificate, or revoked)".to_string(),
+            ));
+        }
         if s.version != JOB_VERSION {
             return Err(reject(
                 JobRefusal::BadRequest,

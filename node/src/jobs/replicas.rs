@@ -94,15 +94,15 @@ impl NodeHandle {
             .position(|r| r.output_digest == digest)
             .ok_or_else(|| JobError::Failed("no replica has the majority's digest".into()))?;
         let from = replica_dir(&req.output_dir, winner + 1);
-        for file in &runs[winner].outputs {
-            let dst = req.output_dir.join(file);
-            if let Some(parent) = dst.parent() {
-                std::fs::create_dir_all(parent).map_err(|e| {
-                    JobError::Failed(format!("cannot write {}: {e}", dst.display()))
-                })?;
-            }
-            std::fs::rename(from.join(file), &dst)
-                .map_err(|e| JobError::Failed(format!("cannot write {}: {e}", dst.display())))?;
+        if !runs[winner].outputs.is_empty() {
+            // The winner's directory was made fresh by its download: moved whole, with
+            // the same no-replace rule as a single run's outputs.
+            std::fs::rename(&from, &req.output_dir).map_err(|e| {
+                JobError::Failed(format!(
+                    "cannot move the outputs to {}: {e}",
+                    req.output_dir.display()
+                ))
+            })?;
         }
         for n in 1..=runs.len() {
             let _ = std::fs::remove_dir_all(replica_dir(&req.output_dir, n));
@@ -136,9 +136,14 @@ impl NodeHandle {
     }
 }
 
-/// Where replica `n` downloads.
+/// Where replica `n` downloads: beside the output directory, which stays absent until
+/// the majority's outputs move there.
 fn replica_dir(output_dir: &Path, n: usize) -> PathBuf {
-    output_dir.join(format!(".replica-{n}"))
+    let name = output_dir
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "out".into());
+    output_dir.with_file_name(format!(".{name}.replica-{n}"))
 }
 
 fn agree_count(runs: &[JobSummary], digest: &str) -> usize {

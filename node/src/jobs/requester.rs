@@ -18,8 +18,8 @@ use libp2p::PeerId;
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
-use super::wire;
 use super::JOB_PROTOCOL;
+use super::{outputs, wire};
 use crate::ledger::reputation::Outcome;
 use crate::ledger::settle::ReceiptStatus;
 use crate::{LeaseError, LeaseSpec, LeaseView, NodeHandle};
@@ -128,6 +128,25 @@ pub struct JobRequest {
     /// Run inside this reservation (lease id or prefix) instead of finding a provider.
     #[serde(default)]
     pub reservation: Option<String>,
+    /// Cap on the total size of the outputs (default
+    /// [`outputs::DEFAULT_MAX_OUTPUT_BYTES`]).
+    #[serde(default)]
+    pub max_output_bytes: Option<u64>,
+    /// Cap on the number of output files (default
+    /// [`outputs::DEFAULT_MAX_OUTPUT_FILES`]).
+    #[serde(default)]
+    pub max_output_files: Option<u32>,
+}
+
+impl JobRequest {
+    /// What this job's provider may write here.
+    pub fn output_limits(&self) -> outputs::OutputLimits {
+        let default = outputs::OutputLimits::default();
+        outputs::OutputLimits {
+            max_bytes: self.max_output_bytes.unwrap_or(default.max_bytes),
+            max_files: self.max_output_files.unwrap_or(default.max_files),
+        }
+    }
 }
 
 /// Why a waiting job is not running: what each provider asked said.
@@ -368,6 +387,13 @@ impl NodeHandle {
         events: &mut (dyn FnMut(JobEvent) + Send),
         mut cancel: watch::Receiver<bool>,
     ) -> Result<JobSummary, JobError> {
+        let mut req = req;
+        // Outputs never mix with files already there: an existing directory gets a new
+        // one for this job inside it (`submit_job` names it by the job id).
+        req.output_dir = outputs::final_dir(
+            &req.output_dir,
+            &format!("job-{:08x}", rand::random::<u32>()),
+        );
         let prepared = self.prepare(&req).await?;
         if req.replicas <= 1 {
             return self
@@ -902,33 +928,45 @@ impl NodeHandle {
         if report.outputs.is_empty() {
             return Ok(());
         }
-        tokio::fs::create_dir_all(&req.output_dir).await?;
-        for f in &report.outputs {
-            check_relative_path(&f.path).map_err(std::io::Error::other)?;
-            let dst = req.output_dir.join(&f.path);
-            if let Some(parent) = dst.parent() {
-                tokio::fs::create_dir_all(parent).await?;
+        let limits = req.output_limits();
+        // Refused before the staging directory exists: nothing is written at all.
+        limits
+            .check(&report.outputs)
+            .map_err(std::io::Error::other)?;
+        let staging = outputs::Staging::beside(&req.output_dir)?;
+        let mut steps = (String::new(), ProgressSteps::default());
+        outputs::receive_outputs(&staging, &report.outputs, &limits, r, |f, done| {
+            if steps.0 != f.path {
+                steps = (f.path.clone(), ProgressSteps::default());
             }
-            let temp = dst.with_file_name(format!(
-                ".{}.partial",
-                dst.file_name()
-                    .map(|n| n.to_string_lossy())
-                    .unwrap_or_default()
-            ));
-            let mut file = tokio::fs::File::create(&temp).await?;
-            let mut progress = progress_reporter("download", &f.path, f.blob.size, events);
-            let got =
-                wire::receive_blob::<_, _, ProviderMsg>(r, &mut file, &f.blob, &mut progress).await;
-            drop(file);
-            match got {
-                Ok(()) => tokio::fs::rename(&temp, &dst).await?,
-                Err(e) => {
-                    let _ = tokio::fs::remove_file(&temp).await;
-                    return Err(e);
-                }
+            if steps.1.due(done, f.blob.size) {
+                events(JobEvent::Progress {
+                    direction: "download".into(),
+                    name: f.path.clone(),
+                    done,
+                    total: f.blob.size,
+                });
             }
+        })
+        .await?;
+        staging.commit(&req.output_dir)
+    }
+}
+
+/// When to report a transfer's progress: every 8 MiB and at the end (small files: never).
+#[derive(Default)]
+struct ProgressSteps {
+    last: u64,
+}
+
+impl ProgressSteps {
+    fn due(&mut self, done: u64, total: u64) -> bool {
+        const STEP: u64 = 8 << 20;
+        let due = total >= STEP && (done.saturating_sub(self.last) >= STEP || done == total);
+        if due {
+            self.last = done;
         }
-        Ok(())
+        due
     }
 }
 
@@ -939,11 +977,9 @@ fn progress_reporter<'a>(
     total: u64,
     events: &'a mut (dyn FnMut(JobEvent) + Send),
 ) -> impl FnMut(u64) + 'a {
-    const STEP: u64 = 8 << 20;
-    let mut last = 0u64;
+    let mut steps = ProgressSteps::default();
     move |done| {
-        if total >= STEP && (done - last >= STEP || done == total) {
-            last = done;
+        if steps.due(done, total) {
             events(JobEvent::Progress {
                 direction: direction.to_string(),
                 name: name.to_string(),

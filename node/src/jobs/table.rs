@@ -342,6 +342,8 @@ mod tests {
             gpu_slice: None,
             wait: None,
             reservation: None,
+            max_output_bytes: None,
+            max_output_files: None,
             cpus: 1,
             mem_bytes: 0,
             timeout_ms: 1000,

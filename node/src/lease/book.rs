@@ -1106,15 +1106,22 @@ impl LeaseBook {
         Ok(())
     }
 
-    /// As requester: remember a lease the provider activated.
+    /// As requester: remember a lease the provider activated. The provider chose its
+    /// id, so an id this book already holds (any role) is refused: a provider must
+    /// never overwrite another record.
     pub fn record_requester_lease(
         &mut self,
         terms: LeaseTerms,
         provider_sig: Vec<u8>,
         requester_sig: Vec<u8>,
         now: UnixMillis,
-    ) {
+    ) -> Result<(), String> {
         let id = terms.lease_id;
+        if self.leases.contains_key(&id) {
+            return Err(format!(
+                "the provider chose lease id {id}, which this node already holds; refused"
+            ));
+        }
         let start_ms = terms.start_ms;
         self.put(LeaseRecord {
             signed_end_ms: terms.end_ms,
@@ -1131,6 +1138,7 @@ impl LeaseBook {
             updated_ms: now,
         });
         self.changes.push(Change::Lease(id));
+        Ok(())
     }
 
     /// As requester: apply a renewal the provider signed.

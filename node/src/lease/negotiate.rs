@@ -150,12 +150,14 @@ impl NodeHandle {
             Some(p) => Some((p * 1000.0).round() as u64),
             None => None,
         };
-        let candidates: Vec<(PeerId, Vec<Multiaddr>)> = match &spec.peer {
+        // Each candidate with the price it advertised, when known: an offer above the
+        // advertised price is refused even without --max-price.
+        let candidates: Vec<(PeerId, Vec<Multiaddr>, Option<u64>)> = match &spec.peer {
             Some(p) => {
                 let peer: PeerId = p.parse().map_err(|_| {
                     LeaseError::Invalid(format!("'{p}' is not a peer id (12D3KooW...)"))
                 })?;
-                vec![(peer, self.addresses_of(peer).await)]
+                vec![(peer, self.addresses_of(peer).await, None)]
             }
             None => {
                 let filter = OfferFilter {
@@ -205,6 +207,7 @@ impl NodeHandle {
                                 .iter()
                                 .filter_map(|a| a.parse().ok())
                                 .collect(),
+                            Some((o.price_per_gpu_hour * 1000.0).round() as u64),
                         ))
                     })
                     .collect()
@@ -212,14 +215,18 @@ impl NodeHandle {
         };
         let candidates: Vec<_> = candidates
             .into_iter()
-            .filter(|(p, _)| !spec.exclude.contains(&p.to_string()))
+            .filter(|(p, _, _)| !spec.exclude.contains(&p.to_string()))
             .collect();
         if candidates.is_empty() {
             return Err(LeaseError::NoProviders(describe(&spec)));
         }
         let mut refusals = Vec::new();
         let mut queued = Vec::new();
-        for (peer, addrs) in candidates {
+        for (peer, addrs, advertised) in candidates {
+            let max_price = match (max_price, advertised) {
+                (Some(m), Some(a)) => Some(m.min(a)),
+                (m, a) => m.or(a),
+            };
             match self.negotiate_with(peer, addrs, &spec, max_price).await? {
                 Ok(view) => return Ok(view),
                 Err(NotGranted::Refused(why)) => refusals.push((peer.to_string(), why)),

@@ -691,6 +691,9 @@ fn requester_error(e: LedgerError) -> ClaimResult {
     ))
 }
 
+/// Most settlement streams answered at once.
+const MAX_SETTLE_STREAMS: usize = 64;
+
 /// Requester side: serves inbound settle streams until `stop`.
 pub async fn serve_claims(
     accounts: Arc<Accounts>,
@@ -698,13 +701,23 @@ pub async fn serve_claims(
     mut incoming: libp2p_stream::IncomingStreams,
     mut stop: watch::Receiver<bool>,
 ) {
+    let gate = crate::inbound::StreamGate::new(
+        "settle",
+        MAX_SETTLE_STREAMS,
+        crate::inbound::FIRST_MESSAGE_DEADLINE,
+        node.metrics().clone(),
+    );
     loop {
         tokio::select! {
             next = incoming.next() => match next {
                 Some((peer, stream)) => {
+                    // Past the limit the stream is dropped unread; each exchange is
+                    // bounded in time as a whole.
+                    let Some(permit) = gate.enter() else { continue };
                     let (a, n) = (accounts.clone(), node.clone());
                     tokio::spawn(async move {
                         let _ = tokio::time::timeout(EXCHANGE_TIMEOUT, answer_stream(&a, &n, peer, stream)).await;
+                        drop(permit);
                     });
                 }
                 None => return,
@@ -716,6 +729,11 @@ pub async fn serve_claims(
 
 async fn answer_stream(accounts: &Accounts, node: &NodeHandle, peer: PeerId, stream: Stream) {
     let (mut r, mut w) = AsyncReadExt::split(stream);
+    if node.team().is_some_and(|t| !t.is_member(&peer)) {
+        tracing::debug!(%peer, "settlement from a non-member of the team refused");
+        let _ = w.close().await;
+        return;
+    }
     loop {
         let reply = match wire::read_message::<_, SettleMsg>(&mut r).await {
             Ok(SettleMsg::Claims(claims)) if claims.len() > MAX_CLAIMS_PER_MESSAGE => {

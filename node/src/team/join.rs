@@ -49,6 +49,7 @@ pub async fn join(
             server: false,
             team: Some((token.team, [token.inviter].into_iter().collect())),
             tcp_psk: None,
+            limits: Default::default(),
         },
     )
     .map_err(|e| TeamOpError::Invalid(e.to_string()))?;
@@ -60,10 +61,13 @@ pub async fn join(
     let protocol = team_protocol(&token.team, "join");
     let inviter = token.inviter;
     let exchange = async move {
-        let stream = control
-            .open_stream(inviter, protocol)
-            .await
-            .map_err(|e| format!("cannot reach the inviter {inviter}: {e}"))?;
+        let stream = control.open_stream(inviter, protocol).await.map_err(|e| {
+            format!(
+                "cannot reach the inviter {inviter}: {e}. If its node is running, this \
+                     invite is used up or expired (its identity is no longer let in); ask an \
+                     admin for a new one"
+            )
+        })?;
         let (mut r, mut w) = AsyncReadExt::split(stream);
         wire::write_message(&mut w, &request)
             .await
@@ -71,7 +75,12 @@ pub async fn join(
         w.flush().await.map_err(|e| e.to_string())?;
         let reply = wire::read_message::<_, JoinReply>(&mut r)
             .await
-            .map_err(|e| format!("the inviter did not answer: {e}"))?;
+            .map_err(|e| {
+                format!(
+                    "the inviter did not answer: {e}. The invite may be used up or expired; \
+                     ask an admin for a new one"
+                )
+            })?;
         let _ = w.close().await;
         Ok::<_, String>(reply)
     };
@@ -114,16 +123,17 @@ pub async fn join(
         team_key: token.team_key.clone(),
         own: cert.clone(),
         members: vec![cert],
-        revocations: None,
+        revocations: Vec::new(),
         invites: Vec::new(),
         bootstrap: token.bootstrap.clone(),
         policy: None,
     };
+    // Revocations first, so nothing signed by a revoked admin is taken.
+    for list in revocations {
+        let _ = state.apply_revocations(list, now);
+    }
     if let Some(p) = policy {
         let _ = state.apply_policy(p, now);
-    }
-    if let Some(list) = revocations {
-        let _ = state.apply_revocations(list, now);
     }
     for m in members {
         let _ = state.admit(m, now);

@@ -87,14 +87,48 @@ pub struct TeamState {
     pub own: SignedCertificate,
     /// The newest certificate of every member known (this node's included).
     pub members: Vec<SignedCertificate>,
-    /// The newest revocation list known.
-    pub revocations: Option<SignedRevocations>,
+    /// The newest revocation list of each issuer (the team key, admins); a peer is
+    /// revoked when any of them names it.
+    pub revocations: Vec<SignedRevocations>,
     /// Invites this node issued that may still be used.
     pub invites: Vec<Invite>,
     /// Members' addresses to dial at start (from the invite token).
     pub bootstrap: Vec<String>,
     /// The newest team policy known.
     pub policy: Option<gpunode_protocol::team::SignedPolicy>,
+}
+
+/// The most revocation lists kept (one per issuer: the team key and each admin).
+pub const MAX_REVOCATION_LISTS: usize = 256;
+
+/// [`TeamState`] as saved before revocation lists were kept per issuer.
+#[derive(Deserialize)]
+struct LegacyTeamState {
+    name: String,
+    team: TeamId,
+    team_key: Vec<u8>,
+    own: SignedCertificate,
+    members: Vec<SignedCertificate>,
+    revocations: Option<SignedRevocations>,
+    invites: Vec<Invite>,
+    bootstrap: Vec<String>,
+    policy: Option<gpunode_protocol::team::SignedPolicy>,
+}
+
+impl From<LegacyTeamState> for TeamState {
+    fn from(l: LegacyTeamState) -> Self {
+        TeamState {
+            name: l.name,
+            team: l.team,
+            team_key: l.team_key,
+            own: l.own,
+            members: l.members,
+            revocations: l.revocations.into_iter().collect(),
+            invites: l.invites,
+            bootstrap: l.bootstrap,
+            policy: l.policy,
+        }
+    }
 }
 
 /// The team's directory in a data dir.
@@ -170,7 +204,7 @@ impl TeamState {
             team_key: public,
             members: vec![own.clone()],
             own,
-            revocations: None,
+            revocations: Vec::new(),
             invites: Vec::new(),
             bootstrap: Vec::new(),
             policy: None,
@@ -185,6 +219,12 @@ impl TeamState {
         let path = dir.join("state");
         match std::fs::read(&path) {
             Ok(bytes) => encoding::decode(&bytes, MAX_STATE_BYTES)
+                .or_else(|e| {
+                    // A state saved before revocation lists were merged.
+                    encoding::decode::<LegacyTeamState>(&bytes, MAX_STATE_BYTES)
+                        .map(TeamState::from)
+                        .map_err(|_| e)
+                })
                 .map(Some)
                 .map_err(|e| files_error(&dir, format!("{} does not decode: {e}", path.display()))),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
@@ -225,27 +265,53 @@ impl TeamState {
         team_protocol(&self.team, "kad")
     }
 
-    /// Whether `peer` is revoked.
+    /// Whether `peer` is revoked (by any issuer's list).
     pub fn is_revoked(&self, peer: &PeerId) -> bool {
-        self.revocations.as_ref().is_some_and(|r| r.contains(peer))
+        self.revocations.iter().any(|r| r.contains(peer))
+    }
+
+    /// Checks a certificate as [`SignedCertificate::verify`] does, and that the admin
+    /// who signed it (if not the team key) is not revoked: a revoked admin's
+    /// signatures stop counting at once.
+    pub fn check_cert(&self, cert: &SignedCertificate, now: UnixMillis) -> Result<(), TeamOpError> {
+        cert.verify(&self.team, &self.team_key, now)?;
+        self.check_issuer(&cert.cert.issuer, cert.issuer_cert.is_some())
+    }
+
+    /// Refuses a document signed by an admin who is revoked.
+    fn check_issuer(&self, issuer: &PeerId, by_admin: bool) -> Result<(), TeamOpError> {
+        if by_admin && self.is_revoked(issuer) {
+            return Err(TeamOpError::Invalid(format!(
+                "it is signed by {issuer}, an admin whose membership is revoked"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Whether `peer` is a member now: a valid certificate whose issuer is not revoked,
+    /// and not revoked itself. What every team handler asks before serving a peer.
+    pub fn is_member(&self, peer: &PeerId, now: UnixMillis) -> bool {
+        !self.is_revoked(peer)
+            && self
+                .members
+                .iter()
+                .any(|c| c.cert.member == *peer && self.check_cert(c, now).is_ok())
     }
 
     /// Peers that may connect now: members with a valid, unrevoked certificate, and the
-    /// join identities of open invites.
+    /// join identities of invites that still have uses and have not expired.
     pub fn allowed(&self, now: UnixMillis) -> HashSet<PeerId> {
         let mut allowed: HashSet<PeerId> = self
             .members
             .iter()
-            .filter(|c| c.verify(&self.team, &self.team_key, now).is_ok())
+            .filter(|c| self.check_cert(c, now).is_ok())
             .map(|c| c.cert.member)
             .filter(|p| !self.is_revoked(p))
             .collect();
-        // Used-up invites stay reachable until they expire, so a second joiner hears
-        // "used up" instead of nothing.
         allowed.extend(
             self.invites
                 .iter()
-                .filter(|i| i.expires_ms >= now)
+                .filter(|i| i.expires_ms >= now && i.uses_left > 0)
                 .map(|i| i.join_peer),
         );
         allowed
@@ -254,7 +320,7 @@ impl TeamState {
     /// Adds or refreshes a member's certificate if it is valid and newer than the one
     /// known. Returns whether anything changed.
     pub fn admit(&mut self, cert: SignedCertificate, now: UnixMillis) -> Result<bool, TeamOpError> {
-        cert.verify(&self.team, &self.team_key, now)?;
+        self.check_cert(&cert, now)?;
         let member = cert.cert.member;
         match self.members.iter_mut().find(|c| c.cert.member == member) {
             Some(known) if known.cert.issued_ms >= cert.cert.issued_ms => Ok(false),
@@ -272,22 +338,37 @@ impl TeamState {
         }
     }
 
-    /// Takes a revocation list if it is valid and newer. Returns whether it was taken.
+    /// Takes a revocation list if it is valid, its issuer is not revoked, and it is
+    /// newer than the one known from the same issuer. Lists of different issuers are
+    /// all kept (merged), so two admins revoking at once lose nothing; the lists of an
+    /// admin revoked later stay as they were (what it revoked before stays revoked) but
+    /// it can sign no new one. Returns whether it was taken.
     pub fn apply_revocations(
         &mut self,
         list: SignedRevocations,
         now: UnixMillis,
     ) -> Result<bool, TeamOpError> {
         list.verify(&self.team, &self.team_key, now)?;
-        if self
+        self.check_issuer(&list.list.issuer, list.issuer_cert.is_some())?;
+        let full = self.revocations.len() >= MAX_REVOCATION_LISTS;
+        match self
             .revocations
-            .as_ref()
-            .is_some_and(|r| r.list.seq >= list.list.seq)
+            .iter_mut()
+            .find(|r| r.list.issuer == list.list.issuer)
         {
-            return Ok(false);
+            Some(known) if known.list.seq >= list.list.seq => Ok(false),
+            Some(known) => {
+                *known = list;
+                Ok(true)
+            }
+            None if full => Err(TeamOpError::Invalid(format!(
+                "more than {MAX_REVOCATION_LISTS} admins' revocation lists"
+            ))),
+            None => {
+                self.revocations.push(list);
+                Ok(true)
+            }
         }
-        self.revocations = Some(list);
-        Ok(true)
     }
 
     /// Takes a policy if it is valid and newer. Returns whether it was taken.
@@ -297,11 +378,12 @@ impl TeamState {
         now: UnixMillis,
     ) -> Result<bool, TeamOpError> {
         policy.verify(&self.team, &self.team_key, now)?;
-        if self
-            .policy
-            .as_ref()
-            .is_some_and(|p| p.policy.seq >= policy.policy.seq)
-        {
+        self.check_issuer(&policy.policy.issuer, policy.issuer_cert.is_some())?;
+        // A policy signed by an admin revoked since is replaced by any valid one.
+        if self.policy.as_ref().is_some_and(|p| {
+            p.policy.seq >= policy.policy.seq
+                && !(p.issuer_cert.is_some() && self.is_revoked(&p.policy.issuer))
+        }) {
             return Ok(false);
         }
         self.policy = Some(policy);
@@ -350,7 +432,10 @@ impl TeamState {
             cert.issuer = tk.public().to_peer_id();
             return Ok(SignedCertificate::by_team(cert, tk)?);
         }
-        if self.own.cert.role != Role::Admin || self.own.issuer_cert.is_some() {
+        if self.own.cert.role != Role::Admin
+            || self.own.issuer_cert.is_some()
+            || self.is_revoked(&self.own.cert.member)
+        {
             return Err(TeamOpError::NotAdmin);
         }
         Ok(SignedCertificate::by_admin(
@@ -415,7 +500,9 @@ impl TeamState {
         }
         invite.uses_left -= 1;
         let role = invite.role;
-        self.invites.retain(|i| i.expires_ms >= now);
+        // A spent invite's join identity stops being let in at once.
+        self.invites
+            .retain(|i| i.expires_ms >= now && i.uses_left > 0);
         Ok(role)
     }
 
@@ -427,7 +514,7 @@ impl TeamState {
         team_key: Option<&Keypair>,
         now: UnixMillis,
     ) -> Result<SignedRevocations, TeamOpError> {
-        if self.own.cert.role != Role::Admin {
+        if self.own.cert.role != Role::Admin || self.is_revoked(&self.own.cert.member) {
             return Err(TeamOpError::NotAdmin);
         }
         if peer == self.own.cert.member {
@@ -435,38 +522,47 @@ impl TeamState {
                 "a node cannot revoke itself; use gpunode team leave".into(),
             ));
         }
-        let mut revoked = self
-            .revocations
-            .as_ref()
-            .map(|r| r.list.revoked.clone())
-            .unwrap_or_default();
+        // This issuer's new list carries every revocation known, so it stands alone.
+        let mut revoked: Vec<(PeerId, UnixMillis)> = Vec::new();
+        for (p, at) in self.revocations.iter().flat_map(|r| r.list.revoked.iter()) {
+            if !revoked.iter().any(|(q, _)| q == p) {
+                revoked.push((*p, *at));
+            }
+        }
         if !revoked.iter().any(|(p, _)| *p == peer) {
             revoked.push((peer, now));
         }
-        let seq = self.revocations.as_ref().map_or(1, |r| r.list.seq + 1);
-        let signed = match team_key {
-            Some(tk) => SignedRevocations::sign(
-                Revocations {
-                    team: self.team,
-                    seq,
-                    revoked,
-                    issuer: tk.public().to_peer_id(),
-                },
-                tk,
-                None,
-            )?,
-            None => SignedRevocations::sign(
-                Revocations {
-                    team: self.team,
-                    seq,
-                    revoked,
-                    issuer: node_key.public().to_peer_id(),
-                },
+        let (issuer, key, issuer_cert) = match team_key {
+            Some(tk) => (tk.public().to_peer_id(), tk, None),
+            None => (
+                node_key.public().to_peer_id(),
                 node_key,
                 Some(self.own.clone()),
-            )?,
+            ),
         };
-        self.revocations = Some(signed.clone());
+        let seq = self
+            .revocations
+            .iter()
+            .find(|r| r.list.issuer == issuer)
+            .map_or(1, |r| r.list.seq + 1);
+        let signed = SignedRevocations::sign(
+            Revocations {
+                team: self.team,
+                seq,
+                revoked,
+                issuer,
+            },
+            key,
+            issuer_cert,
+        )?;
+        match self
+            .revocations
+            .iter_mut()
+            .find(|r| r.list.issuer == issuer)
+        {
+            Some(known) => *known = signed.clone(),
+            None => self.revocations.push(signed.clone()),
+        }
         Ok(signed)
     }
 }

@@ -24,6 +24,8 @@ use crate::NodeHandle;
 pub const SYNC_EVERY: Duration = Duration::from_secs(5);
 /// How long one exchange may take.
 const EXCHANGE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Most exchanges of each team protocol served at once.
+const MAX_TEAM_STREAMS: usize = 32;
 
 /// A node's team membership at run time.
 pub struct Team {
@@ -73,6 +75,13 @@ impl Team {
         self.lock().clone()
     }
 
+    /// Whether `peer` is a member now (valid certificate, nobody revoked it or its
+    /// issuer). Join identities are let in to join, and nothing else: every handler
+    /// asks this rather than rely on the connection allow-list.
+    pub fn is_member(&self, peer: &PeerId) -> bool {
+        self.lock().is_member(peer, now_ms())
+    }
+
     /// Peers allowed to connect now.
     pub fn allowed(&self) -> HashSet<PeerId> {
         self.allowed
@@ -118,7 +127,7 @@ impl Team {
             return None;
         }
         let mut changed = false;
-        if let Some(list) = sync.revocations {
+        for list in sync.revocations {
             changed |= s.apply_revocations(list, now).unwrap_or(false);
         }
         if let Some(policy) = sync.policy {
@@ -304,7 +313,7 @@ impl Team {
         let mut s = self.lock();
         if current.cert.member != peer
             || s.is_revoked(&peer)
-            || current.verify(&s.team, &s.team_key, now).is_err()
+            || s.check_cert(&current, now).is_err()
         {
             return None;
         }
@@ -394,25 +403,42 @@ pub async fn run(team: Arc<Team>, node: NodeHandle, mut stop: watch::Receiver<bo
         }
     };
     node.set_team_allowed(team.allowed()).await;
+    // Each exchange is bounded in time as a whole; these bound how many run at once.
+    let gate = |name| {
+        crate::inbound::StreamGate::new(
+            name,
+            MAX_TEAM_STREAMS,
+            EXCHANGE_TIMEOUT,
+            node.metrics().clone(),
+        )
+    };
+    let (join_gate, sync_gate, renew_gate) =
+        (gate("team_join"), gate("team_sync"), gate("team_renew"));
     let mut every = tokio::time::interval(SYNC_EVERY);
     loop {
         tokio::select! {
             Some((peer, stream)) = joins.next() => {
+                let Some(permit) = join_gate.enter() else { continue };
                 let (t, n) = (team.clone(), node.clone());
                 tokio::spawn(async move {
                     let _ = tokio::time::timeout(EXCHANGE_TIMEOUT, serve_join(&t, &n, peer, stream)).await;
+                    drop(permit);
                 });
             }
             Some((peer, stream)) = syncs.next() => {
+                let Some(permit) = sync_gate.enter() else { continue };
                 let (t, n) = (team.clone(), node.clone());
                 tokio::spawn(async move {
                     let _ = tokio::time::timeout(EXCHANGE_TIMEOUT, serve_sync(&t, &n, peer, stream)).await;
+                    drop(permit);
                 });
             }
             Some((peer, stream)) = renewals.next() => {
+                let Some(permit) = renew_gate.enter() else { continue };
                 let t = team.clone();
                 tokio::spawn(async move {
                     let _ = tokio::time::timeout(EXCHANGE_TIMEOUT, serve_renewal(&t, peer, stream)).await;
+                    drop(permit);
                 });
             }
             _ = every.tick() => {
@@ -433,19 +459,20 @@ pub async fn run(team: Arc<Team>, node: NodeHandle, mut stop: watch::Receiver<bo
 
 async fn serve_join(team: &Team, node: &NodeHandle, peer: PeerId, stream: Stream) {
     let (mut r, mut w) = AsyncReadExt::split(stream);
-    let reply = match wire::read_message::<_, JoinRequest>(&mut r).await {
-        Ok(req) => {
-            let (reply, allowed) = team.answer_join(peer, req);
-            if let Some(a) = allowed {
-                node.set_team_allowed(a).await;
-            }
-            reply
-        }
-        Err(e) => JoinReply::Refused(format!("malformed join request: {e}")),
+    let (reply, allowed) = match wire::read_message::<_, JoinRequest>(&mut r).await {
+        Ok(req) => team.answer_join(peer, req),
+        Err(e) => (
+            JoinReply::Refused(format!("malformed join request: {e}")),
+            None,
+        ),
     };
     let _ = wire::write_message(&mut w, &reply).await;
     let _ = w.flush().await;
     let _ = w.close().await;
+    // Only now: a spent invite's join identity is dropped with this, after its answer.
+    if let Some(a) = allowed {
+        node.set_team_allowed(a).await;
+    }
     if matches!(reply, JoinReply::Admitted { .. }) {
         sync_with_members(team, node).await;
     }
@@ -523,6 +550,11 @@ async fn renew_from_admin(team: &Team, node: &NodeHandle) {
 
 async fn serve_sync(team: &Team, node: &NodeHandle, peer: PeerId, stream: Stream) {
     let (mut r, mut w) = AsyncReadExt::split(stream);
+    if !team.is_member(&peer) {
+        tracing::debug!(%peer, "team sync from a non-member refused");
+        let _ = w.close().await;
+        return;
+    }
     match wire::read_message::<_, TeamSync>(&mut r).await {
         Ok(sync) => {
             if let Some(a) = team.merge(sync) {

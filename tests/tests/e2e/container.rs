@@ -18,15 +18,19 @@ fn run_a_host_env_command_and_an_image_on_a_peer() {
         "backends = [\"wasm\", \"container\"]\nallow_host_env = true\n",
     )
     .expect("config");
-    // A data dir as `gpunode` makes it on first start (0700): container jobs, which run
-    // as uids of their own, must still reach their directories in it.
-    let provider_dir = tmp.path().join("p");
-    std::fs::create_dir(&provider_dir).expect("mkdir");
-    std::fs::set_permissions(
-        &provider_dir,
-        std::os::unix::fs::PermissionsExt::from_mode(0o700),
-    )
-    .expect("chmod");
+    // The default data dir of a root provider: ~/.local/share/gpunode under a 0700
+    // home, made 0700 as `gpunode` makes it on first start. Container jobs, which run as
+    // uids of their own, must still reach their directories, without the home or the
+    // data dir being opened for them.
+    let home = tmp.path().join("root-home");
+    let provider_dir = home.join(".local/share/gpunode");
+    std::fs::create_dir_all(&provider_dir).expect("mkdir");
+    for dir in [&home, &provider_dir] {
+        std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o700))
+            .expect("chmod");
+    }
+    let job_root = gpunode_node::data_dir::DataDir::new(&provider_dir).job_root();
+    let _remove_job_root = RemoveOnDrop(job_root.clone());
     let listen = format!("/ip4/127.0.0.1/udp/{}/quic-v1", free_udp_port());
     let mut provider = ServeProcess::start(
         &bin,
@@ -125,5 +129,24 @@ fn run_a_host_env_command_and_an_image_on_a_peer() {
             "clean exit: {}",
             node.log()
         );
+    }
+    // Nothing of the operator's was opened to the job uids.
+    for dir in [&home, &provider_dir] {
+        let mode = std::os::unix::fs::PermissionsExt::mode(
+            &std::fs::metadata(dir).expect("dir").permissions(),
+        );
+        assert_eq!(mode & 0o777, 0o700, "{}", dir.display());
+    }
+}
+
+/// Removes a directory the test made outside its temporary one (a root provider's job
+/// root under /var/lib/gpunode).
+struct RemoveOnDrop(std::path::PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        if self.0.starts_with(gpunode_node::data_dir::SYSTEM_JOB_ROOT) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
     }
 }

@@ -1,0 +1,279 @@
+//! Limits on what a remote peer can make this node hold open.
+//!
+//! - [`StreamGate`]: per inbound stream protocol, how many handlers run at once and how
+//!   long a peer may take to send its first message. A peer opening thousands of idle
+//!   streams takes at most `max_handlers` slots, each for at most `first_message`, and
+//!   the node keeps serving everyone else.
+//! - [`IpLimit`]: a libp2p behaviour that refuses inbound connections from one IP
+//!   address past a limit (libp2p's `connection_limits` covers totals, pending and
+//!   per-peer limits, not addresses, and a flood of fresh peer ids from one host would
+//!   pass those).
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::io;
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use futures::AsyncRead;
+use libp2p::core::transport::PortUse;
+use libp2p::core::Endpoint;
+use libp2p::multiaddr::Protocol;
+use libp2p::swarm::{
+    dummy, ConnectionDenied, ConnectionId, FromSwarm, NetworkBehaviour, THandler, THandlerInEvent,
+    THandlerOutEvent, ToSwarm,
+};
+use libp2p::{Multiaddr, PeerId};
+use serde::de::DeserializeOwned;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+use crate::metrics::Metrics;
+
+/// How long a peer may take to send the first message on a stream it opened.
+pub const FIRST_MESSAGE_DEADLINE: Duration = Duration::from_secs(10);
+
+/// Bounds for one inbound stream protocol.
+#[derive(Debug, Clone)]
+pub struct StreamGate {
+    protocol: &'static str,
+    permits: Arc<Semaphore>,
+    first_message: Duration,
+    metrics: Arc<Metrics>,
+}
+
+impl StreamGate {
+    /// At most `max_handlers` streams of `protocol` served at once, each sending its
+    /// first message within `first_message`.
+    pub fn new(
+        protocol: &'static str,
+        max_handlers: usize,
+        first_message: Duration,
+        metrics: Arc<Metrics>,
+    ) -> StreamGate {
+        StreamGate {
+            protocol,
+            permits: Arc::new(Semaphore::new(max_handlers)),
+            first_message,
+            metrics,
+        }
+    }
+
+    /// A slot for one more inbound stream, held until the handler ends; `None` when
+    /// all are taken (the stream is to be dropped at once; counted as `busy`).
+    pub fn enter(&self) -> Option<OwnedSemaphorePermit> {
+        let permit = self.permits.clone().try_acquire_owned().ok();
+        if permit.is_none() {
+            self.metrics.stream_refused(self.protocol, "busy");
+        }
+        permit
+    }
+
+    /// Reads the stream's first message, which must arrive within the deadline
+    /// (otherwise counted as `silent` and refused with `TimedOut`).
+    pub async fn first_message<R: AsyncRead + Unpin, T: DeserializeOwned>(
+        &self,
+        r: &mut R,
+    ) -> io::Result<T> {
+        match tokio::time::timeout(self.first_message, crate::jobs::wire::read_message(r)).await {
+            Ok(m) => m,
+            Err(_) => {
+                self.metrics.stream_refused(self.protocol, "silent");
+                Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!(
+                        "no message within {} ms of opening the stream",
+                        self.first_message.as_millis()
+                    ),
+                ))
+            }
+        }
+    }
+
+    /// Handlers free now.
+    pub fn available(&self) -> usize {
+        self.permits.available_permits()
+    }
+}
+
+/// The IP address a multiaddr starts with, if any.
+fn ip_of(addr: &Multiaddr) -> Option<IpAddr> {
+    match addr.iter().next()? {
+        Protocol::Ip4(ip) => Some(IpAddr::V4(ip)),
+        Protocol::Ip6(ip) => Some(IpAddr::V6(ip)),
+        _ => None,
+    }
+}
+
+/// Refuses inbound connections from an IP address that already has `max_per_ip`
+/// established; `0` means no limit.
+#[derive(Debug)]
+pub struct IpLimit {
+    max_per_ip: u32,
+    per_ip: HashMap<IpAddr, u32>,
+    by_connection: HashMap<ConnectionId, IpAddr>,
+    metrics: Option<Arc<Metrics>>,
+}
+
+impl IpLimit {
+    /// A limit of `max_per_ip` inbound connections per remote address (0: none).
+    pub fn new(max_per_ip: u32, metrics: Option<Arc<Metrics>>) -> IpLimit {
+        IpLimit {
+            max_per_ip,
+            per_ip: HashMap::new(),
+            by_connection: HashMap::new(),
+            metrics,
+        }
+    }
+
+    /// Counts refusals in `metrics` from now on.
+    pub fn set_metrics(&mut self, metrics: Arc<Metrics>) {
+        self.metrics = Some(metrics);
+    }
+
+    fn check(&self, remote: &Multiaddr) -> Result<(), ConnectionDenied> {
+        let Some(ip) = ip_of(remote) else {
+            return Ok(());
+        };
+        let n = self.per_ip.get(&ip).copied().unwrap_or(0);
+        if self.max_per_ip > 0 && n >= self.max_per_ip {
+            if let Some(m) = &self.metrics {
+                m.connections_refused.inc();
+            }
+            return Err(ConnectionDenied::new(io::Error::other(format!(
+                "{ip} already has {n} connections here (the most one address may have)"
+            ))));
+        }
+        Ok(())
+    }
+}
+
+impl NetworkBehaviour for IpLimit {
+    type ConnectionHandler = dummy::ConnectionHandler;
+    type ToSwarm = Infallible;
+
+    fn handle_pending_inbound_connection(
+        &mut self,
+        _connection_id: ConnectionId,
+        _local_addr: &Multiaddr,
+        remote_addr: &Multiaddr,
+    ) -> Result<(), ConnectionDenied> {
+        self.check(remote_addr)
+    }
+
+    fn handle_established_inbound_connection(
+        &mut self,
+        _connection_id: ConnectionId,
+        _peer: PeerId,
+        _local_addr: &Multiaddr,
+        remote_addr: &Multiaddr,
+    ) -> Result<THandler<Self>, ConnectionDenied> {
+        self.check(remote_addr)?;
+        Ok(dummy::ConnectionHandler)
+    }
+
+    fn handle_established_outbound_connection(
+        &mut self,
+        _connection_id: ConnectionId,
+        _peer: PeerId,
+        _addr: &Multiaddr,
+        _role_override: Endpoint,
+        _port_use: PortUse,
+    ) -> Result<THandler<Self>, ConnectionDenied> {
+        Ok(dummy::ConnectionHandler)
+    }
+
+    fn on_swarm_event(&mut self, event: FromSwarm) {
+        match event {
+            // Counted only once every behaviour accepted the connection.
+            FromSwarm::ConnectionEstablished(e) if e.endpoint.is_listener() => {
+                if let Some(ip) = ip_of(e.endpoint.get_remote_address()) {
+                    *self.per_ip.entry(ip).or_default() += 1;
+                    self.by_connection.insert(e.connection_id, ip);
+                }
+            }
+            FromSwarm::ConnectionClosed(e) => {
+                if let Some(ip) = self.by_connection.remove(&e.connection_id) {
+                    if let Some(n) = self.per_ip.get_mut(&ip) {
+                        *n = n.saturating_sub(1);
+                        if *n == 0 {
+                            self.per_ip.remove(&ip);
+                        }
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn on_connection_handler_event(
+        &mut self,
+        _peer: PeerId,
+        _connection: ConnectionId,
+        event: THandlerOutEvent<Self>,
+    ) {
+        match event {}
+    }
+
+    fn poll(
+        &mut self,
+        _cx: &mut Context<'_>,
+    ) -> Poll<ToSwarm<Self::ToSwarm, THandlerInEvent<Self>>> {
+        Poll::Pending
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn busy_and_silent_streams_are_refused_and_counted() {
+        let metrics = Metrics::new();
+        let gate = StreamGate::new("test", 2, Duration::from_millis(50), metrics.clone());
+        let a = gate.enter().expect("first");
+        let _b = gate.enter().expect("second");
+        assert!(gate.enter().is_none(), "a third handler waits for nobody");
+        assert_eq!(metrics.stream_refused_count("test", "busy"), 1);
+        drop(a);
+        assert!(gate.enter().is_some(), "a slot frees when its handler ends");
+
+        // A stream that never says anything is given up at the deadline.
+        let err = gate
+            .first_message::<_, String>(&mut Silent)
+            .await
+            .expect_err("silent");
+        assert_eq!(err.kind(), io::ErrorKind::TimedOut);
+        assert_eq!(metrics.stream_refused_count("test", "silent"), 1);
+    }
+
+    /// A stream whose peer opened it and never writes.
+    struct Silent;
+
+    impl AsyncRead for Silent {
+        fn poll_read(
+            self: std::pin::Pin<&mut Self>,
+            _cx: &mut Context<'_>,
+            _buf: &mut [u8],
+        ) -> Poll<io::Result<usize>> {
+            Poll::Pending
+        }
+    }
+
+    #[test]
+    fn ip_addresses_are_read_from_multiaddrs() {
+        let a: Multiaddr = "/ip4/127.0.0.2/udp/4170/quic-v1".parse().expect("addr");
+        assert_eq!(ip_of(&a), Some("127.0.0.2".parse().expect("ip")));
+        let d: Multiaddr = "/dns4/example.invalid/tcp/1".parse().expect("addr");
+        assert_eq!(ip_of(&d), None);
+        let limit = IpLimit::new(1, None);
+        assert!(limit.check(&a).is_ok());
+        let mut full = IpLimit::new(1, None);
+        full.per_ip.insert("127.0.0.2".parse().expect("ip"), 1);
+        assert!(full.check(&a).is_err());
+        let other: Multiaddr = "/ip4/127.0.0.3/udp/4170/quic-v1".parse().expect("addr");
+        assert!(full.check(&other).is_ok());
+        assert!(IpLimit::new(0, None).check(&a).is_ok(), "0: no limit");
+    }
+}
