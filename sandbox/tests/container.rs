@@ -455,3 +455,110 @@ fn a_paused_job_can_still_be_cancelled_and_leaves_nothing() {
         || processes_with_env(&mark).is_empty(),
     );
 }
+
+#[test]
+fn escape_system_calls_and_new_user_namespaces_are_refused() {
+    let job = Job::new();
+    // Each probe prints the call's result and errno; EPERM (1) is the filter's answer.
+    let probe = |name: &str, nr: i64| {
+        format!(
+            "perl -e '$r = syscall({nr}, 0, 0, 0, 0, 0); print \"{name} $r \", $!+0, \"\\n\"'\n"
+        )
+    };
+    let script = [
+        probe("keyctl", libc::SYS_keyctl),
+        probe("bpf", libc::SYS_bpf),
+        probe("perf_event_open", libc::SYS_perf_event_open),
+        probe("userfaultfd", libc::SYS_userfaultfd),
+        probe("mount", libc::SYS_mount),
+        "unshare -U true 2>/dev/null && echo made-a-user-namespace\n".to_string(),
+        "unshare -r -m true 2>/dev/null && echo made-a-mount-namespace\n".to_string(),
+        "echo done\n".to_string(),
+    ]
+    .concat();
+    std::fs::write(job.dir.path().join("input/probe.sh"), script).expect("write");
+    let outcome = executor(None)
+        .run(job.spec(&["sh", "/input/probe.sh"]))
+        .expect("run");
+    assert_eq!(outcome, Outcome::Exited(0), "stderr: {}", job.stderr());
+    assert_eq!(
+        job.stdout(),
+        "keyctl -1 1\nbpf -1 1\nperf_event_open -1 1\nuserfaultfd -1 1\nmount -1 1\ndone\n",
+        "stderr: {}",
+        job.stderr()
+    );
+}
+
+#[test]
+fn a_gpu_job_without_a_memory_limit_is_refused_not_run() {
+    let dev = tempfile::tempdir().expect("tempdir");
+    for name in ["nvidia0", "nvidiactl"] {
+        std::fs::write(dev.path().join(name), "stand-in").expect("node");
+    }
+    let mut config = ContainerConfig::detect().expect("bubblewrap");
+    config.dev_dir = dev.path().to_path_buf();
+    // A host where no cgroup can be made: GPU jobs would get no memory limit at all.
+    config.use_cgroups = false;
+    let job = Job::new();
+    let mut spec = job.spec(&["sh", "-c", "echo ran > /output/ran"]);
+    spec.gpus = vec![GpuDevice {
+        index: 0,
+        uuid: "GPU-sim-0".into(),
+    }];
+    let err = ContainerExecutor::new(config.clone())
+        .run(spec)
+        .expect_err("refused");
+    assert!(err.to_string().contains("no memory limit"), "{err}");
+    assert!(!job.output().join("ran").exists(), "nothing ran");
+    // A CPU job still runs there, under a per-process memory limit.
+    let job = Job::new();
+    let outcome = ContainerExecutor::new(config)
+        .run(job.spec(&["sh", "-c", "echo ran"]))
+        .expect("run");
+    assert_eq!(outcome, Outcome::Exited(0));
+}
+
+#[test]
+fn the_cpu_time_of_a_job_is_capped_at_its_leased_cores() {
+    let job = Job::new();
+    let mut spec = job.spec(&["sh", "-c", "sleep 3"]);
+    spec.limits.cpus = 2;
+    let executor = executor(None);
+    let run = std::thread::spawn(move || executor.run(spec));
+    // The job's group, as the kernel enforces it: v1 `cpu` or v2 `cpu.max`.
+    let prefix = format!("gpunode-job-{}-", std::process::id());
+    let quota = || -> Option<String> {
+        let v1 = std::fs::read_dir("/sys/fs/cgroup/cpu")
+            .ok()
+            .and_then(|dir| {
+                dir.flatten()
+                    .find(|e| e.file_name().to_string_lossy().starts_with(&prefix))
+                    .and_then(|e| std::fs::read_to_string(e.path().join("cpu.cfs_quota_us")).ok())
+            });
+        v1.or_else(|| {
+            let own = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+            let rel = own.lines().find_map(|l| l.strip_prefix("0::"))?;
+            let parent = Path::new("/sys/fs/cgroup").join(rel.trim_start_matches('/'));
+            std::fs::read_dir(parent).ok()?.flatten().find_map(|e| {
+                e.file_name()
+                    .to_string_lossy()
+                    .starts_with(&prefix)
+                    .then(|| std::fs::read_to_string(e.path().join("cpu.max")).ok())?
+            })
+        })
+    };
+    let mut seen = None;
+    wait_until("the job's cpu group", Duration::from_secs(10), || {
+        seen = quota();
+        seen.is_some()
+    });
+    let seen = seen.unwrap_or_default();
+    assert!(
+        seen.trim() == "200000" || seen.trim() == "200000 100000",
+        "quota for 2 cores: {seen}"
+    );
+    assert_eq!(
+        run.join().expect("thread").expect("run"),
+        Outcome::Exited(0)
+    );
+}

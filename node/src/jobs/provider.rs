@@ -470,6 +470,7 @@ impl JobService {
                         memory_bytes: admitted.memory_bytes,
                         cpu_seconds: admitted.wall_time.as_secs().max(1) * u64::from(admitted.cpus),
                         output_bytes: self.max_job_bytes,
+                        cpus: admitted.cpus,
                         ..ContainerLimits::default()
                     },
                     stdout,

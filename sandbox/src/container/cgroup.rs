@@ -18,14 +18,57 @@ pub struct JobCgroup {
     /// Where pausing happens: the v1 `freezer` group, or the v2 group itself.
     freezer_dir: Option<PathBuf>,
     v2: bool,
+    cpu_capped: bool,
 }
 
 impl JobCgroup {
     /// Makes the groups with these limits; `None` when the host gives us neither the
     /// memory nor the pids controller.
-    pub fn create(name: &str, memory_bytes: u64, max_processes: u32) -> Option<JobCgroup> {
-        JobCgroup::create_v2(name, memory_bytes, max_processes)
-            .or_else(|| JobCgroup::create_v1(name, memory_bytes, max_processes))
+    ///
+    /// `cpus` (when not 0) caps the group's CPU time at that many cores (CFS quota),
+    /// where the host has the cpu controller; a host without it runs the job uncapped
+    /// in CPU, which [`JobCgroup::cpu_capped`] tells.
+    pub fn create(
+        name: &str,
+        memory_bytes: u64,
+        max_processes: u32,
+        cpus: u32,
+    ) -> Option<JobCgroup> {
+        let mut group = JobCgroup::create_v2(name, memory_bytes, max_processes)
+            .or_else(|| JobCgroup::create_v1(name, memory_bytes, max_processes))?;
+        if cpus > 0 {
+            group.cap_cpu(name, cpus);
+        }
+        Some(group)
+    }
+
+    /// Adds the CPU cap: `cpu.max` in the v2 group, or a v1 `cpu` group.
+    fn cap_cpu(&mut self, name: &str, cpus: u32) {
+        const PERIOD_US: u64 = 100_000;
+        let quota = (cpus as u64).saturating_mul(PERIOD_US);
+        if self.v2 {
+            if let Some(dir) = self.dirs.first() {
+                let path = dir.join("cpu.max");
+                self.cpu_capped = std::fs::write(path, format!("{quota} {PERIOD_US}")).is_ok();
+            }
+            return;
+        }
+        let cpu = Path::new(ROOT).join("cpu").join(name);
+        if make(
+            &cpu,
+            &[
+                ("cpu.cfs_period_us", PERIOD_US.to_string()),
+                ("cpu.cfs_quota_us", quota.to_string()),
+            ],
+        ) {
+            self.dirs.push(cpu);
+            self.cpu_capped = true;
+        }
+    }
+
+    /// Whether the job's CPU time is capped by the group.
+    pub fn cpu_capped(&self) -> bool {
+        self.cpu_capped
     }
 
     fn create_v1(name: &str, memory_bytes: u64, max_processes: u32) -> Option<JobCgroup> {
@@ -34,6 +77,7 @@ impl JobCgroup {
             memory_dir: None,
             freezer_dir: None,
             v2: false,
+            cpu_capped: false,
         };
         let pids = Path::new(ROOT).join("pids").join(name);
         if make(&pids, &[("pids.max", max_processes.to_string())]) {
@@ -81,6 +125,7 @@ impl JobCgroup {
             freezer_dir: Some(dir.clone()),
             dirs: vec![dir],
             v2: true,
+            cpu_capped: false,
         })
     }
 

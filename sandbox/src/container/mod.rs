@@ -3,6 +3,9 @@
 //! read-only root, a private `/tmp`, `/input` read-only and `/output` writable, limits
 //! on memory, processes, CPU time and output, and only the leased GPUs' device nodes.
 //!
+//! Every job runs under a seccomp filter ([`seccomp`]) and, where bubblewrap allows,
+//! cannot make user namespaces of its own (`--disable-userns`).
+//!
 //! The root is either an OCI image archive unpacked by [`image`] or, where the provider
 //! allows it, the provider's own system directories read-only (`--host-env`).
 
@@ -10,6 +13,16 @@ mod cgroup;
 pub mod image;
 pub mod procs;
 mod runner;
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+pub mod seccomp;
+#[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+pub mod seccomp {
+    //! No seccomp filter on this architecture (no system call list for it).
+    /// No program.
+    pub fn program() -> Option<Vec<u8>> {
+        None
+    }
+}
 
 pub use runner::{
     nvidia_driver_files, ContainerConfig, ContainerExecutor, ContainerLimits, ContainerSpec,

@@ -64,6 +64,10 @@ pub struct ContainerConfig {
     pub driver_files: Vec<PathBuf>,
     /// Whether to put jobs in cgroups where the host allows (rlimits otherwise).
     pub use_cgroups: bool,
+    /// Whether this bubblewrap can stop the job making user namespaces of its own
+    /// (`--disable-userns`, bubblewrap 0.8 and later); the seccomp filter refuses
+    /// `clone` with a new user namespace either way.
+    pub disable_userns: bool,
 }
 
 impl ContainerConfig {
@@ -77,11 +81,20 @@ impl ContainerConfig {
                     .to_string(),
             )
         })?;
+        let disable_userns = Command::new(&bwrap)
+            .arg("--help")
+            .output()
+            .map(|o| {
+                String::from_utf8_lossy(&o.stdout).contains("--disable-userns")
+                    || String::from_utf8_lossy(&o.stderr).contains("--disable-userns")
+            })
+            .unwrap_or(false);
         Ok(ContainerConfig {
             bwrap,
             dev_dir: PathBuf::from("/dev"),
             driver_files: nvidia_driver_files(),
             use_cgroups: true,
+            disable_userns,
         })
     }
 }
@@ -128,6 +141,9 @@ pub struct ContainerLimits {
     pub output_bytes: u64,
     /// Files in `/output`.
     pub output_files: u64,
+    /// CPU cores the job's processes may keep busy together (cgroup CPU quota, where
+    /// the host has the cpu controller); 0: no cap.
+    pub cpus: u32,
 }
 
 impl Default for ContainerLimits {
@@ -141,6 +157,7 @@ impl Default for ContainerLimits {
             stderr_bytes: 16 << 20,
             output_bytes: 1 << 30,
             output_files: 1000,
+            cpus: 0,
         }
     }
 }
@@ -250,11 +267,40 @@ impl ContainerExecutor {
                 &format!("gpunode-job-{}-{job}", std::process::id()),
                 spec.limits.memory_bytes,
                 spec.limits.max_processes,
+                spec.limits.cpus,
             )
         } else {
             None
         };
-        let mut cmd = self.command_line(&spec, &command, uid, cgroup.as_ref());
+        // Without a memory cgroup, only CPU jobs get a memory limit (per process, see
+        // `command_line`): a GPU job would run with none, so it does not run at all.
+        if cgroup.is_none() && !spec.gpus.is_empty() {
+            return Err(SandboxError::Setup(
+                "no memory limit can be applied to a GPU job on this host: it needs the \
+                 memory and pids cgroup controllers (run gpunode under systemd with \
+                 Delegate=yes, or as root on a host with cgroups), so the job was refused"
+                    .to_string(),
+            ));
+        }
+        if spec.limits.cpus > 0 && !cgroup.as_ref().is_some_and(JobCgroup::cpu_capped) {
+            tracing::warn!(
+                "this host gives no cpu cgroup controller: the job's CPU use is not capped at its {} leased cores",
+                spec.limits.cpus
+            );
+        }
+        // The filter goes to bubblewrap as an open file (`--seccomp 3`, opened by the
+        // first shell of the command line); the file is removed when the job ends.
+        let filter = match super::seccomp::program() {
+            Some(bytes) => Some(seccomp_file(&bytes)?),
+            None => None,
+        };
+        let mut cmd = self.command_line(
+            &spec,
+            &command,
+            uid,
+            cgroup.as_ref(),
+            filter.as_ref().map(|f| f.path()),
+        );
         cmd.stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
@@ -320,16 +366,19 @@ impl ContainerExecutor {
         command: &[String],
         uid: Option<u32>,
         cgroup: Option<&JobCgroup>,
+        seccomp: Option<&Path>,
     ) -> Command {
         let limits = &spec.limits;
         let procs = cgroup.map(JobCgroup::procs_files).unwrap_or_default();
         let mut cmd = Command::new("/bin/sh");
         cmd.arg("-c")
             .arg(
-                "n=$1; shift; while [ \"$n\" -gt 0 ]; do echo $$ > \"$1\" || exit 125; \
-                 shift; n=$((n-1)); done; exec \"$@\"",
+                "f=$1; shift; n=$1; shift; while [ \"$n\" -gt 0 ]; do echo $$ > \"$1\" || exit 125; \
+                 shift; n=$((n-1)); done; if [ -n \"$f\" ]; then exec 3<\"$f\" || exit 125; fi; \
+                 exec \"$@\"",
             )
             .arg("gpunode-job")
+            .arg(seccomp.map(Path::as_os_str).unwrap_or_default())
             .arg(procs.len().to_string())
             .args(&procs);
         // rlimits: per process, so they are the fallback for memory and, without a
@@ -365,6 +414,12 @@ impl ContainerExecutor {
             "--die-with-parent",
             "--new-session",
         ]);
+        if self.config.disable_userns {
+            cmd.arg("--disable-userns");
+        }
+        if seccomp.is_some() {
+            cmd.args(["--seccomp", "3"]);
+        }
         let workdir = match &spec.root {
             Root::Image { rootfs, config } => {
                 cmd.arg("--ro-bind").arg(rootfs).arg("/");
@@ -449,6 +504,19 @@ impl ContainerExecutor {
             }
         }
     }
+}
+
+/// The seccomp program in a new private file (0600, random name), removed on drop.
+fn seccomp_file(program: &[u8]) -> Result<tempfile::NamedTempFile, SandboxError> {
+    use std::io::Write;
+    let mut file = tempfile::Builder::new()
+        .prefix("gpunode-seccomp-")
+        .tempfile()
+        .map_err(|e| SandboxError::Setup(format!("cannot write the seccomp filter: {e}")))?;
+    file.write_all(program)
+        .and_then(|()| file.flush())
+        .map_err(|e| SandboxError::Setup(format!("cannot write the seccomp filter: {e}")))?;
+    Ok(file)
 }
 
 /// The command to run: the requester's, or the image's entrypoint and cmd.

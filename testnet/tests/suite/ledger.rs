@@ -131,7 +131,7 @@ async fn cheats_are_caught_and_ranked_down_while_honest_providers_get_the_work()
     let summary = end.expect("the job succeeds");
     assert_eq!(summary.exit_code, 0);
     assert_eq!(
-        std::fs::read(out.path().join("copy.bin")).expect("output kept"),
+        std::fs::read(summary.output_dir.join("copy.bin")).expect("output kept"),
         b"the same bytes for everyone",
         "the majority's (correct) outputs are kept"
     );
@@ -149,7 +149,13 @@ async fn cheats_are_caught_and_ranked_down_while_honest_providers_get_the_work()
         "the liar's receipt is refused: {}",
         summary.receipt
     );
-    assert!(!out.path().join(".replica-1").exists());
+    // `out` existed, so the job got a new directory in it; no replica's is left.
+    assert_eq!(summary.output_dir.parent(), Some(out.path()));
+    let left: Vec<_> = std::fs::read_dir(out.path())
+        .expect("out")
+        .map(|e| e.expect("entry").file_name())
+        .collect();
+    assert_eq!(left.len(), 1, "{left:?}");
     assert_eq!(
         client.handle.metrics().receipt_rejected_count("inflated"),
         1
