@@ -12,6 +12,10 @@
 #      CUDA driver-API program through python3 ctypes)
 #   4. the settled receipt's GPU-seconds are non-zero (measured from NVML)
 #   5. an owner process on the GPU preempts a running job (owner_policy = yield)
+#   6. on a card in MIG mode: while one peer holds a slice of a card, another peer's
+#      slice request on it is refused (slice jobs still see the card's parent device and
+#      capability files, so a card has one tenant at a time); prints how many MIG
+#      devices the slice job saw (SKIP when no GPU is in MIG mode)
 # Everything listens on 127.0.0.1 and is stopped at the end. Takes about two minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -137,6 +141,28 @@ if grep -q "owner took the GPU back\|preempted" "$WORK/long.log"; then
   pass "an owner process on the GPU preempted the running job"
 else
   fail "owner preemption" "$(tail -5 "$WORK/long.log")"
+fi
+
+# --- 6. MIG slices stay with one tenant ---------------------------------------------
+SLICE=$(nvidia-smi -L 2>/dev/null | sed -n 's/.*MIG \([0-9]*g\.[0-9]*gb\).*/\1/p' | head -1)
+if [ -z "$SLICE" ]; then
+  echo "SKIP  MIG isolation (no GPU in MIG mode)"
+else
+  (cd "$WORK" && timeout 150 "$BIN" --data-dir "$WORK/m1" run --bootstrap "$ADDR" --no-mdns \
+    --peer "$PROVIDER_ID" --host-env --gpus 1 --gpu-slice "$SLICE" --mem 4G --timeout 2m \
+    -- sh -c 'nvidia-smi -L | grep -c "MIG "; sleep 20' >"$WORK/mig1.log" 2>&1) &
+  MIG1=$!
+  PIDS+=($MIG1)
+  sleep 8
+  MIG2=$(cd "$WORK" && timeout 60 "$BIN" --data-dir "$WORK/m2" run --bootstrap "$ADDR" --no-mdns \
+    --peer "$PROVIDER_ID" --host-env --gpus 1 --gpu-slice "$SLICE" --mem 4G --timeout 1m \
+    --no-wait --retries 0 -- true 2>&1)
+  wait "$MIG1" 2>/dev/null
+  if grep -q "^[0-9]" "$WORK/mig1.log" && ! echo "$MIG2" | grep -q "exited 0"; then
+    pass "while a peer holds a $SLICE slice, another peer gets no slice of the same card (the slice job saw $(head -1 "$WORK/mig1.log") MIG device(s))"
+  else
+    fail "MIG isolation" "first: $(head -3 "$WORK/mig1.log"); second: $(echo "$MIG2" | tail -2)"
+  fi
 fi
 
 [ "$FAILED" = 0 ] && echo "gpu-check: all steps passed" || echo "gpu-check: some steps FAILED"

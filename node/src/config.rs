@@ -82,7 +82,8 @@ pub struct NodeConfig {
     /// How long an offer holds resources waiting for the requester's accept.
     #[serde(deserialize_with = "de_duration")]
     pub offer_window: Duration,
-    /// Most GPUs one peer may hold at once (default: no limit).
+    /// Most GPUs one peer may hold at once (default: half of this machine's GPUs, at
+    /// least one, outside a team; no cap inside a team, whose quotas apply).
     pub max_gpus_per_peer: Option<u32>,
     /// When not empty, only these peer ids may lease.
     #[serde(deserialize_with = "de_peers")]
@@ -143,6 +144,10 @@ pub struct NodeConfig {
     /// Pre-shared key (64 hex digits) for TCP connections (libp2p pnet): nodes without
     /// it cannot even complete a TCP handshake. QUIC cannot use it.
     pub team_psk: Option<String>,
+    /// How long ended leases are kept in the store (offers that expired unsigned: an
+    /// hour at most).
+    #[serde(deserialize_with = "de_duration")]
+    pub lease_retention: Duration,
     /// Most connections open at once, all peers together.
     pub max_connections: u32,
     /// Most connections one peer may have open.
@@ -201,6 +206,7 @@ impl Default for NodeConfig {
             debt_limit: 0.0,
             min_reputation: 0.2,
             team_psk: None,
+            lease_retention: Duration::from_secs(30 * 86_400),
             max_connections: 1024,
             max_connections_per_peer: 8,
             max_connections_per_ip: 64,

@@ -586,10 +586,13 @@ impl Node {
             max_duration_ms: config.max_lease_duration.as_millis() as u64,
             price_per_gpu_hour_millicredits: (config.price_per_gpu_hour * 1000.0).round() as u64,
             backends: config.backends.clone(),
-            max_gpus_per_peer: config.max_gpus_per_peer.unwrap_or(u32::MAX),
+            max_gpus_per_peer: config.max_gpus_per_peer.unwrap_or_else(|| {
+                lease::policy::default_max_gpus_per_peer(first_snapshot.gpus.len(), team.is_some())
+            }),
             allow_peers: config.allow_peers.clone(),
             deny_peers: config.deny_peers.clone(),
             offer_window_ms: config.offer_window.as_millis() as u64,
+            retention_ms: config.lease_retention.as_millis() as u64,
         };
         let capacity = match &offer {
             Some((o, _)) => event_loop::capacity_from(&first_snapshot, o.cpu_cores, o.ram_bytes),

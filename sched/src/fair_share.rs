@@ -50,6 +50,19 @@ impl FairShare {
         }
     }
 
+    /// `user`'s stored usage and the time it is as of (what a node persists).
+    pub fn entry(&self, user: &str) -> Option<(f64, Millis)> {
+        self.usage.get(user).copied()
+    }
+
+    /// Puts back a persisted entry (after a restart). Non-finite or negative usage is
+    /// ignored.
+    pub fn restore(&mut self, user: &str, usage: f64, as_of: Millis) {
+        if usage.is_finite() && usage > 0.0 {
+            self.usage.insert(user.to_string(), (usage, as_of));
+        }
+    }
+
     /// `user`'s decayed usage at `now`, GPU-milliseconds.
     pub fn usage_gpu_ms(&self, user: &str, now: Millis) -> f64 {
         self.usage
@@ -71,6 +84,20 @@ mod tests {
     use super::*;
 
     const HOUR: u64 = 3_600_000;
+
+    #[test]
+    fn entries_survive_a_round_trip_and_bad_ones_are_ignored() {
+        let mut f = FairShare::new(HOUR);
+        f.charge("ann", 8_000.0, 0);
+        let (usage, at) = f.entry("ann").expect("entry");
+        let mut g = FairShare::new(HOUR);
+        g.restore("ann", usage, at);
+        g.restore("bob", f64::NAN, 0);
+        g.restore("cy", -5.0, 0);
+        assert_eq!(g.usage_gpu_ms("ann", HOUR), f.usage_gpu_ms("ann", HOUR));
+        assert_eq!(g.entry("bob"), None);
+        assert_eq!(g.entry("cy"), None);
+    }
 
     #[test]
     fn usage_halves_every_half_life() {

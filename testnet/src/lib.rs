@@ -134,6 +134,8 @@ fn node_config(
         ram: Some(64 << 30),
         // Every node of a test network is on 127.0.0.1.
         max_connections_per_ip: 0,
+        // Scenarios lend whole machines to one requester.
+        max_gpus_per_peer: Some(u32::MAX),
         ..NodeConfig::default()
     };
     config.listen = vec![cfg.transport.listen_addr().parse()?];

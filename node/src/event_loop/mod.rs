@@ -219,6 +219,7 @@ impl EventLoop {
             publish_at: Some(Instant::now() + Duration::from_millis(50)),
             refresh_at: Instant::now() + ttl / 2,
         });
+        let waiting = queue::WaitQueue::new(parts.queue_order, &parts.store);
         EventLoop {
             book: AdvertBook::new(parts.metrics.clone()),
             swarm: parts.swarm,
@@ -250,7 +251,7 @@ impl EventLoop {
                 parts.lending,
             ),
             alerts: crate::alerts::AlertWatch::new(parts.alerts),
-            waiting: queue::WaitQueue::new(parts.queue_order),
+            waiting,
         }
     }
 

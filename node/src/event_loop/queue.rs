@@ -27,11 +27,41 @@ pub(crate) struct WaitQueue {
     fair: FairShare,
 }
 
+/// Store tree of fair-share usage, by user: `(usage GPU-ms, as of)`.
+const FAIR_SHARE_TREE: &str = "fair_share";
+
 impl WaitQueue {
-    pub(crate) fn new(order: Order) -> WaitQueue {
+    /// The queue, with fair-share usage as persisted in `store` (it survives restarts:
+    /// a restart must not wipe a heavy user's record).
+    pub(crate) fn new(order: Order, store: &crate::store::Store) -> WaitQueue {
+        let mut fair = FairShare::new(FAIR_SHARE_HALF_LIFE_MS);
+        for (k, v) in store.scan(FAIR_SHARE_TREE).unwrap_or_default() {
+            if let (Ok(user), Ok((usage, at))) = (
+                String::from_utf8(k),
+                gpunode_protocol::encoding::decode::<(f64, u64)>(&v, 64),
+            ) {
+                fair.restore(&user, usage, at);
+            }
+        }
         WaitQueue {
             queue: Queue::new(order, QUEUE_STALE_MS),
-            fair: FairShare::new(FAIR_SHARE_HALF_LIFE_MS),
+            fair,
+        }
+    }
+
+    /// Charges `user` and writes its new usage (durable with the next flush).
+    fn charge(&mut self, store: &crate::store::Store, user: &str, gpu_ms: f64, now: u64) {
+        self.fair.charge(user, gpu_ms, now);
+        let written = match self.fair.entry(user) {
+            Some(entry) => store.put(
+                FAIR_SHARE_TREE,
+                user.as_bytes(),
+                &gpunode_protocol::encoding::encode(&entry),
+            ),
+            None => store.remove(FAIR_SHARE_TREE, user.as_bytes()),
+        };
+        if let Err(e) = written {
+            tracing::warn!("cannot store fair-share usage: {e}");
         }
     }
 }
@@ -230,7 +260,8 @@ impl EventLoop {
         let (ticket, _) = ticket_of(req);
         self.waiting.queue.remove(&ticket);
         let gpu_ms = req.requirements.gpus as f64 * req.duration_ms as f64;
-        self.waiting.fair.charge(&peer.to_string(), gpu_ms, now);
+        self.waiting
+            .charge(&self.store, &peer.to_string(), gpu_ms, now);
     }
 
     /// A request was refused for good: it leaves the queue.
@@ -250,8 +281,31 @@ impl EventLoop {
         let unused = end_ms.saturating_sub(now) as f64 * gpus as f64;
         if unused > 0.0 {
             self.waiting
-                .fair
-                .charge(&requester.to_string(), -unused, now);
+                .charge(&self.store, &requester.to_string(), -unused, now);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fair_share_usage_survives_a_restart() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let now = 1_800_000_000_000;
+        {
+            let store = crate::store::Store::open(dir.path()).expect("store");
+            let mut w = WaitQueue::new(Order::Fair, &store);
+            w.charge(&store, "heavy", 3_600_000.0 * 8.0, now);
+            w.charge(&store, "light", 1_000.0, now);
+            // Given back entirely: nothing left to keep.
+            w.charge(&store, "light", -1_000.0, now);
+            store.flush().expect("flush");
+        }
+        let store = crate::store::Store::open(dir.path()).expect("reopen");
+        let w = WaitQueue::new(Order::Fair, &store);
+        assert!((w.fair.usage_gpu_ms("heavy", now) - 28_800_000.0).abs() < 1e-3);
+        assert_eq!(w.fair.usage_gpu_ms("light", now), 0.0);
     }
 }

@@ -146,6 +146,8 @@ pub enum Change {
     Nonce(PeerId, u64, UnixMillis),
     /// Forget this nonce (its request can no longer be valid).
     ForgetNonce(PeerId, u64),
+    /// Forget this lease record (ended longer ago than the retention).
+    ForgetLease(LeaseId),
 }
 
 /// The lease state machine.
@@ -163,7 +165,17 @@ pub struct LeaseBook {
     nonces: HashMap<(PeerId, u64), UnixMillis>,
     nonce_expiry: BTreeSet<(UnixMillis, PeerId, u64)>,
     changes: Vec<Change>,
+    /// When ended records were last pruned.
+    last_prune_ms: UnixMillis,
 }
+
+/// How often ended records are looked over for pruning.
+const PRUNE_EVERY_MS: u64 = 60_000;
+/// How long an offer that expired unsigned is kept (it never became a lease).
+const EXPIRED_OFFER_RETENTION_MS: u64 = 3_600_000;
+/// How far ahead a request may say it expires: a requester cannot make this provider
+/// remember its nonce for longer.
+pub const MAX_REQUEST_LIFETIME_MS: u64 = 600_000;
 
 /// What offered and active leases hold.
 #[derive(Debug, Default)]
@@ -182,6 +194,13 @@ struct Totals {
     busy_until: HashMap<String, UnixMillis>,
     /// Reservations we provide (offered or signed, not yet started): GPUs, start, end.
     reserved: HashMap<LeaseId, (Vec<String>, UnixMillis, UnixMillis)>,
+    /// MIG slices lent now, by card (device index) and requester.
+    mig_tenants: HashMap<u32, HashMap<PeerId, u32>>,
+}
+
+/// Whether a GPU a lease names is a MIG slice (NVML names them `MIG-…`).
+fn is_mig(uuid: &str) -> bool {
+    uuid.starts_with("MIG-")
 }
 
 fn deadline_of(l: &LeaseRecord) -> Option<UnixMillis> {
@@ -246,6 +265,7 @@ impl LeaseBook {
             nonces: HashMap::new(),
             nonce_expiry: BTreeSet::new(),
             changes: Vec::new(),
+            last_prune_ms: 0,
         }
     }
 
@@ -407,6 +427,13 @@ impl LeaseBook {
             }
             *t.per_peer.entry(l.terms.requester).or_default() += n;
             *t.exposure.entry(l.terms.requester).or_default() += l.terms.max_amount_millicredits();
+            for g in l.terms.gpus.iter().filter(|g| is_mig(&g.uuid)) {
+                *t.mig_tenants
+                    .entry(g.index)
+                    .or_default()
+                    .entry(l.terms.requester)
+                    .or_default() += 1;
+            }
         } else {
             if let Some(e) = t.exposure.get_mut(&l.terms.requester) {
                 *e = e.saturating_sub(l.terms.max_amount_millicredits());
@@ -419,6 +446,19 @@ impl LeaseBook {
             for g in &l.terms.gpus {
                 t.gpus.remove(&g.uuid);
                 t.busy_until.remove(&g.uuid);
+            }
+            for g in l.terms.gpus.iter().filter(|g| is_mig(&g.uuid)) {
+                if let Some(card) = t.mig_tenants.get_mut(&g.index) {
+                    if let Some(c) = card.get_mut(&l.terms.requester) {
+                        *c = c.saturating_sub(1);
+                        if *c == 0 {
+                            card.remove(&l.terms.requester);
+                        }
+                    }
+                    if card.is_empty() {
+                        t.mig_tenants.remove(&g.index);
+                    }
+                }
             }
             if let Some(c) = t.per_peer.get_mut(&l.terms.requester) {
                 *c = c.saturating_sub(n);
@@ -526,6 +566,15 @@ impl LeaseBook {
                 "the request had expired when it arrived; check your clock and retry",
             ));
         }
+        if req.expires_at_ms > now.saturating_add(MAX_REQUEST_LIFETIME_MS) {
+            return Err(reject(
+                RejectCode::InvalidRequest,
+                format!(
+                    "the request says it expires more than {} s from now; at most that is accepted",
+                    MAX_REQUEST_LIFETIME_MS / 1000
+                ),
+            ));
+        }
         if self.nonces.contains_key(&(*from, req.nonce)) {
             return Err(reject(
                 RejectCode::Replay,
@@ -561,7 +610,7 @@ impl LeaseBook {
     ) -> Result<(LeaseTerms, Vec<u8>), Rejection> {
         self.check_valid(from, req, now)?;
         // The nonce is spent from here on, whatever the answer.
-        let keep_until = req.expires_at_ms.max(now) + MAX_CLOCK_SKEW_MS;
+        let keep_until = req.expires_at_ms.max(now).saturating_add(MAX_CLOCK_SKEW_MS);
         self.remember_nonce(*from, req.nonce, keep_until);
         self.changes
             .push(Change::Nonce(*from, req.nonce, keep_until));
@@ -855,7 +904,7 @@ impl LeaseBook {
 
     fn allocate(
         &self,
-        _from: &PeerId,
+        from: &PeerId,
         req: &LeaseRequest,
         prefer: &[u32],
         now: UnixMillis,
@@ -863,11 +912,23 @@ impl LeaseBook {
         let r = &req.requirements;
         let committed = &self.totals.gpus;
         let filter = OfferFilter::for_gpus_of(r);
+        // A MIG job still sees its card's parent device and every capability file (the
+        // host gives no per-instance ids to bind yet), so the slices of one card go to
+        // one peer at a time.
+        let shared_card = |g: &&super::policy::GpuSlot| {
+            is_mig(&g.uuid)
+                && self
+                    .totals
+                    .mig_tenants
+                    .get(&g.index)
+                    .is_some_and(|card| card.keys().any(|p| p != from))
+        };
         let free: Vec<_> = self
             .capacity
             .gpus
             .iter()
             .filter(|g| g.available && !committed.contains(&g.uuid))
+            .filter(|g| !shared_card(g))
             // Backfill: a GPU reserved later may be lent only until its reservation.
             .filter(|g| self.clear_of_reservations(&g.uuid, now, now + req.duration_ms, None))
             .collect();
@@ -1055,7 +1116,7 @@ impl LeaseBook {
         let provider_sig = renewal
             .sign(key)
             .map_err(|e| reject(RejectCode::InvalidRequest, e.to_string()))?;
-        let keep_until = renewal.new_end_ms + MAX_CLOCK_SKEW_MS;
+        let keep_until = renewal.new_end_ms.saturating_add(MAX_CLOCK_SKEW_MS);
         self.remember_nonce(*from, renewal.nonce, keep_until);
         self.changes
             .push(Change::Nonce(*from, renewal.nonce, keep_until));
@@ -1198,7 +1259,40 @@ impl LeaseBook {
             self.nonces.remove(&(peer, nonce));
             self.changes.push(Change::ForgetNonce(peer, nonce));
         }
+        if now >= self.last_prune_ms.saturating_add(PRUNE_EVERY_MS) {
+            self.last_prune_ms = now;
+            self.prune(now);
+        }
         changed
+    }
+
+    /// Forgets ended records older than the retention (offers that expired unsigned
+    /// after an hour), so that a peer's requests cannot grow the book without bound.
+    fn prune(&mut self, now: UnixMillis) {
+        let retention = self.policy.retention_ms;
+        let old: Vec<LeaseId> = self
+            .leases
+            .values()
+            .filter(|l| {
+                let keep = match l.state {
+                    LeaseState::Expired => EXPIRED_OFFER_RETENTION_MS.min(retention),
+                    LeaseState::Completed | LeaseState::Cancelled | LeaseState::Failed => retention,
+                    _ => return false,
+                };
+                l.updated_ms.saturating_add(keep) < now
+            })
+            .map(|l| l.terms.lease_id)
+            .collect();
+        for id in old {
+            self.account(&id, false);
+            self.leases.remove(&id);
+            self.changes.push(Change::ForgetLease(id));
+        }
+    }
+
+    /// Lease records held (for tests and metrics).
+    pub fn record_count(&self) -> usize {
+        self.leases.len()
     }
 
     /// When the next offer window or lease end falls due, if any.

@@ -800,3 +800,90 @@ proptest! {
         prop_assert!(book.all().iter().all(|l| l.state != LeaseState::Offered));
     }
 }
+
+#[test]
+fn far_future_nonces_and_old_records_do_not_pile_up() {
+    let mut f = Fixture::new();
+    // A request that says it expires in a century would pin its nonce that long.
+    let mut forever = f.request(1, Some("T4"), 900);
+    forever.expires_at_ms = u64::MAX;
+    let err = f.offer(&forever, NOW).expect_err("far future");
+    assert_eq!(err.code, RejectCode::InvalidRequest);
+    assert_eq!(f.book.nonce_count(), 0, "nothing remembered for it");
+
+    // Offers that expire unsigned, and a lease that ran to its end.
+    for n in 0..20 {
+        let req = f.request(1, Some("T4"), 1000 + n);
+        f.offer(&req, NOW).expect("offer");
+        f.book.tick(NOW + 20_000);
+    }
+    let done = f.active_lease(5000);
+    f.book.tick(done.end_ms + 1);
+    assert_eq!(f.book.record_count(), 21);
+    let _ = f.book.take_changes();
+    // An hour later the expired offers are gone; the ended lease stays for its
+    // retention (settlement may still need it).
+    let later = done.end_ms + EXPIRED_OFFER_RETENTION_MS + PRUNE_EVERY_MS + 1;
+    f.book.tick(later);
+    assert_eq!(f.book.record_count(), 1);
+    let forgotten = f
+        .book
+        .take_changes()
+        .iter()
+        .filter(|c| matches!(c, Change::ForgetLease(_)))
+        .count();
+    assert_eq!(forgotten, 20, "each is removed from the store too");
+    assert!(f.book.get(&done.lease_id).is_some());
+    let after_retention = later + LeasePolicy::default().retention_ms + PRUNE_EVERY_MS;
+    f.book.tick(after_retention);
+    assert_eq!(f.book.record_count(), 0);
+    // Every spent nonce is gone by then too.
+    assert_eq!(f.book.nonce_count(), 0);
+}
+
+#[test]
+fn mig_slices_of_one_card_go_to_one_peer_at_a_time() {
+    let mig = |i: u32| GpuSlot {
+        index: 0,
+        uuid: format!("MIG-sim-card0-{i}"),
+        model: "A100-80GB MIG 2g.20gb".into(),
+        memory_bytes: 20 << 30,
+        available: true,
+    };
+    let provider_key = Keypair::generate_ed25519();
+    let mut book = LeaseBook::new(
+        provider_key.public().to_peer_id(),
+        LeasePolicy::default(),
+        Capacity {
+            gpus: vec![mig(0), mig(1), mig(2)],
+            cpus: 16,
+            mem_bytes: 64 << 30,
+        },
+    );
+    let alice = Fixture::new();
+    let bob = Fixture::new();
+    let slice = |f: &Fixture, nonce| {
+        let mut r = f.request(1, None, nonce);
+        r.requirements.gpu_slice = Some("2g.20gb".into());
+        r
+    };
+    let lease = |f: &Fixture, nonce, id: u8, book: &mut LeaseBook| {
+        let req = slice(f, nonce);
+        book.on_request(&f.requester(), &req, LeaseId([id; 16]), &provider_key, NOW)
+            .map(|(terms, psig)| {
+                let rsig = terms.sign(&f.requester_key).expect("sign");
+                book.on_accept(&f.requester(), &terms, &psig, &rsig, NOW + 1)
+                    .expect("accept");
+                terms
+            })
+    };
+    let first = lease(&alice, 1, 1, &mut book).expect("alice gets a slice");
+    // Bob may not share the card with Alice, however many slices are free.
+    let err = lease(&bob, 2, 2, &mut book).expect_err("bob refused");
+    assert_eq!(err.code, RejectCode::NoCapacity, "{}", err.message);
+    // Alice may take more of her card.
+    lease(&alice, 3, 3, &mut book).expect("alice's second slice");
+    // Once Alice's leases end, Bob gets the card.
+    book.tick(first.end_ms + 1);
+    lease(&bob, 4, 4, &mut book).expect("bob after alice");
+}

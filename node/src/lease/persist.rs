@@ -40,6 +40,7 @@ pub fn write_changes(store: &Store, book: &mut LeaseBook) -> Result<Vec<LeaseId>
                 store.put(NONCES, &nonce_key(peer, *nonce), &until.to_be_bytes())?;
             }
             Change::ForgetNonce(peer, nonce) => store.remove(NONCES, &nonce_key(peer, *nonce))?,
+            Change::ForgetLease(id) => store.remove(LEASES, &id.0)?,
         }
     }
     Ok(ended)

@@ -45,6 +45,9 @@ pub struct LeasePolicy {
     pub deny_peers: Vec<PeerId>,
     /// How long an offer holds resources waiting for the accept, ms.
     pub offer_window_ms: u64,
+    /// How long ended leases (completed, cancelled, failed) are kept, ms; offers that
+    /// expired unsigned are kept at most an hour.
+    pub retention_ms: u64,
 }
 
 impl Default for LeasePolicy {
@@ -57,6 +60,31 @@ impl Default for LeasePolicy {
             allow_peers: Vec::new(),
             deny_peers: Vec::new(),
             offer_window_ms: 10_000,
+            retention_ms: 30 * 86_400_000,
         }
+    }
+}
+
+/// Most GPUs one peer may hold at once when the config does not say: outside a team,
+/// half of this machine's GPUs (at least one), so that no stranger can hold the whole
+/// machine; inside a team no per-peer cap (the team policy's quotas apply).
+pub fn default_max_gpus_per_peer(gpus: usize, in_team: bool) -> u32 {
+    if in_team {
+        return u32::MAX;
+    }
+    u32::try_from(gpus / 2).unwrap_or(u32::MAX).max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_stranger_never_holds_the_whole_machine_by_default() {
+        assert_eq!(default_max_gpus_per_peer(0, false), 1);
+        assert_eq!(default_max_gpus_per_peer(1, false), 1);
+        assert_eq!(default_max_gpus_per_peer(2, false), 1);
+        assert_eq!(default_max_gpus_per_peer(8, false), 4);
+        assert_eq!(default_max_gpus_per_peer(8, true), u32::MAX);
     }
 }

@@ -127,10 +127,14 @@ impl PeerRecord {
 /// Score of a peer we have no record of.
 pub const NEUTRAL: f64 = 0.5;
 
+/// Most peers whose reputation is kept.
+pub const MAX_REPUTATION_RECORDS: usize = 100_000;
+
 /// Every peer's record.
 pub struct Reputation {
     store: Store,
     peers: Mutex<HashMap<PeerId, PeerRecord>>,
+    max_records: usize,
 }
 
 impl std::fmt::Debug for Reputation {
@@ -157,6 +161,7 @@ impl Reputation {
         Ok(Reputation {
             store,
             peers: Mutex::new(peers),
+            max_records: MAX_REPUTATION_RECORDS,
         })
     }
 
@@ -166,13 +171,35 @@ impl Reputation {
 
     /// Records what `peer` did.
     pub fn record(&self, peer: PeerId, outcome: Outcome) {
-        let now = now_ms();
-        let record = {
+        self.record_at(peer, outcome, now_ms());
+    }
+
+    /// [`Reputation::record`] at `now`. Past [`MAX_REPUTATION_RECORDS`] peers, the
+    /// oldest record that is not below neutral is forgotten first, so that a flood of
+    /// fresh ids can neither grow the table without bound nor wash a bad record away.
+    pub fn record_at(&self, peer: PeerId, outcome: Outcome, now: UnixMillis) {
+        let (record, evicted) = {
             let mut peers = self.lock();
+            let evicted = if !peers.contains_key(&peer) && peers.len() >= self.max_records {
+                let victim = peers
+                    .iter()
+                    .min_by_key(|(_, r)| (r.score(now) < NEUTRAL, r.updated_ms))
+                    .map(|(p, _)| *p);
+                victim.inspect(|p| {
+                    peers.remove(p);
+                })
+            } else {
+                None
+            };
             let r = peers.entry(peer).or_default();
             r.add(outcome, now);
-            r.clone()
+            (r.clone(), evicted)
         };
+        if let Some(p) = evicted {
+            if let Err(e) = self.store.remove(TREE, &p.to_bytes()) {
+                tracing::warn!("cannot forget the reputation of {p}: {e}");
+            }
+        }
         tracing::debug!(%peer, ?outcome, score = record.score(now), "reputation");
         if let Err(e) = self
             .store
@@ -196,6 +223,28 @@ impl Reputation {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_flood_of_fresh_ids_is_bounded_and_cannot_wash_a_bad_record() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let store = Store::open(dir.path()).expect("store");
+        let mut rep = Reputation::open(store).expect("open");
+        rep.max_records = 8;
+        let cheat = PeerId::random();
+        let now = 1_800_000_000_000;
+        for _ in 0..3 {
+            rep.record_at(cheat, Outcome::DisputedReceipt, now);
+        }
+        let bad = rep.score(&cheat);
+        assert!(bad < NEUTRAL);
+        // Fresh ids, each with one good outcome, later than the cheat's record.
+        for i in 0..100 {
+            rep.record_at(PeerId::random(), Outcome::JobDone, now + 1 + i);
+        }
+        assert_eq!(rep.all().len(), 8, "bounded");
+        assert!(rep.all().contains_key(&cheat), "the bad record stays");
+        assert!(rep.score(&cheat) < NEUTRAL);
+    }
 
     #[test]
     fn unknown_is_neutral_and_outcomes_move_the_score() {

@@ -161,8 +161,9 @@ pub struct Accounts {
     /// Provider side: ended leases whose last job is still stopping; their claims are
     /// made when it has ended.
     deferred: Mutex<Vec<LeaseRecord>>,
-    /// Requester side: receipts we refused, by lease (why), until the process ends.
-    refused: Mutex<HashMap<LeaseId, String>>,
+    /// Requester side: receipts we refused, by lease (why), the newest
+    /// [`MAX_REFUSED_KEPT`] until the process ends.
+    refused: Mutex<RefusedReceipts>,
     /// Bumped after every batch of claims we answered.
     answered: watch::Sender<u64>,
     store: Store,
@@ -216,7 +217,7 @@ impl Accounts {
             observed: UsageMeter::open(store.clone(), "observed")?,
             claims: Mutex::new(claims),
             deferred: Mutex::new(Vec::new()),
-            refused: Mutex::new(HashMap::new()),
+            refused: Mutex::new(RefusedReceipts::default()),
             answered: watch::channel(0).0,
             store,
             keypair,
@@ -632,7 +633,7 @@ impl Accounts {
                 .unwrap_or_else(|p| p.into_inner())
                 .get(lease)
             {
-                return ReceiptStatus::Refused(why.clone());
+                return ReceiptStatus::Refused(why);
             }
             if tokio::time::timeout_at(deadline, answered.changed())
                 .await
@@ -693,6 +694,34 @@ fn requester_error(e: LedgerError) -> ClaimResult {
 
 /// Most settlement streams answered at once.
 const MAX_SETTLE_STREAMS: usize = 64;
+
+/// How many refused receipts' reasons are kept (a peer chooses the lease ids of the
+/// claims it sends, so the map must not grow with them).
+const MAX_REFUSED_KEPT: usize = 4096;
+
+/// Why receipts were refused, by lease, the oldest forgotten first.
+#[derive(Default)]
+struct RefusedReceipts {
+    why: HashMap<LeaseId, String>,
+    order: std::collections::VecDeque<LeaseId>,
+}
+
+impl RefusedReceipts {
+    fn insert(&mut self, lease: LeaseId, why: String) {
+        if self.why.insert(lease, why).is_none() {
+            self.order.push_back(lease);
+        }
+        while self.order.len() > MAX_REFUSED_KEPT {
+            if let Some(old) = self.order.pop_front() {
+                self.why.remove(&old);
+            }
+        }
+    }
+
+    fn get(&self, lease: &LeaseId) -> Option<String> {
+        self.why.get(lease).cloned()
+    }
+}
 
 /// Requester side: serves inbound settle streams until `stop`.
 pub async fn serve_claims(
@@ -875,5 +904,25 @@ async fn send_claims(
             tracing::debug!(%peer, "settlement timed out");
             false
         }
+    }
+}
+
+#[cfg(test)]
+mod refused_tests {
+    use super::*;
+
+    #[test]
+    fn refused_receipts_are_bounded_oldest_first() {
+        let mut r = RefusedReceipts::default();
+        for i in 0..(MAX_REFUSED_KEPT + 10) as u32 {
+            let mut id = [0u8; 16];
+            id[..4].copy_from_slice(&i.to_le_bytes());
+            r.insert(LeaseId(id), format!("why {i}"));
+        }
+        assert_eq!(r.why.len(), MAX_REFUSED_KEPT);
+        assert_eq!(r.get(&LeaseId([0; 16])), None, "the oldest went first");
+        let mut last = [0u8; 16];
+        last[..4].copy_from_slice(&((MAX_REFUSED_KEPT + 9) as u32).to_le_bytes());
+        assert!(r.get(&LeaseId(last)).is_some());
     }
 }

@@ -273,30 +273,76 @@ pub fn to_toml(p: &TeamPolicy) -> String {
     out
 }
 
-/// GPU-hours granted to each member by this provider, for quotas.
+/// Grants kept per member (older ones are folded away by the week's horizon).
+const MAX_GRANTS_PER_MEMBER: usize = 100_000;
+
+/// GPU-hours granted to each member by this provider, for quotas. Saved with the team
+/// state ([`Grants::save`]), so a provider's restart does not reset anyone's quota.
 #[derive(Debug, Default)]
-pub struct Grants(Mutex<HashMap<PeerId, Vec<(UnixMillis, u64)>>>);
+pub struct Grants(Mutex<GrantBook>);
+
+/// Grants by member (time, GPU-ms), and whether they changed since the last save.
+type GrantBook = (HashMap<PeerId, Vec<(UnixMillis, u64)>>, bool);
 
 impl Grants {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<PeerId, Vec<(UnixMillis, u64)>>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, GrantBook> {
         self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The grants saved at `path` (none when the file is missing or unreadable).
+    pub fn load(path: &std::path::Path) -> Grants {
+        let map = std::fs::read(path)
+            .ok()
+            .and_then(|bytes| {
+                gpunode_protocol::encoding::decode::<Vec<(PeerId, Vec<(UnixMillis, u64)>)>>(
+                    &bytes,
+                    64 << 20,
+                )
+                .ok()
+            })
+            .map(|v| v.into_iter().collect())
+            .unwrap_or_default();
+        Grants(Mutex::new((map, false)))
+    }
+
+    /// Writes the grants to `path` (atomically) if they changed since the last save.
+    pub fn save(&self, path: &std::path::Path) -> std::io::Result<()> {
+        let bytes = {
+            let mut g = self.lock();
+            if !g.1 {
+                return Ok(());
+            }
+            g.1 = false;
+            let list: Vec<(&PeerId, &Vec<(UnixMillis, u64)>)> = g.0.iter().collect();
+            gpunode_protocol::encoding::encode(&list)
+        };
+        let tmp = path.with_extension("tmp");
+        std::fs::write(&tmp, bytes)?;
+        std::fs::rename(&tmp, path)
     }
 
     /// Counts a lease of `gpu_ms` granted to `peer` at `at`.
     pub fn record(&self, peer: PeerId, at: UnixMillis, gpu_ms: u64) {
         let mut g = self.lock();
-        let list = g.entry(peer).or_default();
+        g.1 = true;
+        let list = g.0.entry(peer).or_default();
         list.push((at, gpu_ms));
         // Nothing older than a week and a day matters.
         let horizon = at.saturating_sub(8 * 86_400_000);
         list.retain(|(t, _)| *t >= horizon);
+        if list.len() > MAX_GRANTS_PER_MEMBER {
+            // Fold the oldest two into one (their sum at the later time): totals for
+            // the day and week stay right or err towards more use.
+            let (t, a) = list.remove(0);
+            list[0] = (list[0].0.max(t), list[0].1.saturating_add(a));
+        }
     }
 
     /// What `peer` was granted since the start of today and of this week.
     pub fn used(&self, peer: &PeerId, today: UnixMillis, week: UnixMillis) -> Used {
         let g = self.lock();
         let mut used = Used::default();
-        for (t, ms) in g.get(peer).map(Vec::as_slice).unwrap_or_default() {
+        for (t, ms) in g.0.get(peer).map(Vec::as_slice).unwrap_or_default() {
             if *t >= week {
                 used.week_gpu_ms += ms;
             }
@@ -391,5 +437,28 @@ hours = "18:00-09:00"
         let used = g.used(&p, 12 * day, 9 * day);
         assert_eq!(used.today_gpu_ms, 2_000);
         assert_eq!(used.week_gpu_ms, 3_000);
+    }
+
+    #[test]
+    fn quota_usage_survives_a_restart() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let path = dir.path().join("grants");
+        let p = libp2p::identity::Keypair::generate_ed25519()
+            .public()
+            .to_peer_id();
+        let day = 86_400_000;
+        let g = Grants::default();
+        g.record(p, 10 * day + 5, 1_000);
+        g.record(p, 12 * day + 5, 2_000);
+        g.save(&path).expect("save");
+        // A restart: the same usage counts against the quota.
+        let back = Grants::load(&path);
+        assert_eq!(
+            back.used(&p, 12 * day, 9 * day),
+            g.used(&p, 12 * day, 9 * day)
+        );
+        // A damaged file is no usage, not a crash.
+        std::fs::write(&path, b"garbage").expect("write");
+        assert_eq!(Grants::load(&path).used(&p, 0, 0), Used::default());
     }
 }

@@ -58,11 +58,11 @@ impl Team {
         let allowed = state.allowed(now_ms());
         Ok(Some(Arc::new(Team {
             state: Mutex::new(state),
-            data_dir,
             node_key,
             team_key,
             allowed: Mutex::new(allowed),
-            grants: Default::default(),
+            grants: super::policy::Grants::load(&grants_file(&data_dir)),
+            data_dir,
         })))
     }
 
@@ -242,6 +242,13 @@ impl Team {
         policy
             .policy
             .check(peer, kind, gpus, duration_ms, used, now)
+    }
+
+    /// Saves the quota usage if it changed (at every sync tick and when the node stops).
+    pub fn save_grants(&self) {
+        if let Err(e) = self.grants.save(&grants_file(&self.data_dir)) {
+            tracing::warn!("cannot save the team quota usage: {e}");
+        }
     }
 
     /// Counts a lease granted to `peer` against its quotas.
@@ -442,6 +449,7 @@ pub async fn run(team: Arc<Team>, node: NodeHandle, mut stop: watch::Receiver<bo
                 });
             }
             _ = every.tick() => {
+                team.save_grants();
                 if let Some(allowed) = team.tick() {
                     node.set_team_allowed(allowed).await;
                 }
@@ -452,9 +460,17 @@ pub async fn run(team: Arc<Team>, node: NodeHandle, mut stop: watch::Receiver<bo
                 let (t, n) = (team.clone(), node.clone());
                 tokio::spawn(async move { sync_with_members(&t, &n).await });
             }
-            _ = stop.changed() => return,
+            _ = stop.changed() => {
+                team.save_grants();
+                return;
+            }
         }
     }
+}
+
+/// Where the team quota usage is saved.
+fn grants_file(data_dir: &std::path::Path) -> PathBuf {
+    super::team_dir(data_dir).join("grants")
 }
 
 async fn serve_join(team: &Team, node: &NodeHandle, peer: PeerId, stream: Stream) {
