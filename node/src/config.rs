@@ -144,6 +144,10 @@ pub struct NodeConfig {
     /// Pre-shared key (64 hex digits) for TCP connections (libp2p pnet): nodes without
     /// it cannot even complete a TCP handshake. QUIC cannot use it.
     pub team_psk: Option<String>,
+    /// Outside a team, how many new peer ids a day may draw on `allowance` here; each
+    /// next one gets a smaller share, so ids made by the thousand draw at most about
+    /// `allowance × this / 2` a day (0: no limit).
+    pub new_peers_on_credit_per_day: u32,
     /// How long ended leases are kept in the store (offers that expired unsigned: an
     /// hour at most).
     #[serde(deserialize_with = "de_duration")]
@@ -206,6 +210,7 @@ impl Default for NodeConfig {
             debt_limit: 0.0,
             min_reputation: 0.2,
             team_psk: None,
+            new_peers_on_credit_per_day: crate::ledger::newcomers::DEFAULT_NEW_PEERS_PER_DAY,
             lease_retention: Duration::from_secs(30 * 86_400),
             max_connections: 1024,
             max_connections_per_peer: 8,

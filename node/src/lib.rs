@@ -375,6 +375,7 @@ impl Node {
                 allowance_millicredits: (config.allowance * 1000.0).round() as u64,
                 debt_limit_millicredits: (config.debt_limit * 1000.0).round() as u64,
                 min_reputation: config.min_reputation,
+                new_peers_on_credit_per_day: config.new_peers_on_credit_per_day,
             },
             opts.misbehaviour,
         )?;

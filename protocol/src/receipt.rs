@@ -26,9 +26,15 @@ use crate::time::UnixMillis;
 
 /// Domain tag of receipt signatures (provider's and requester's).
 pub const RECEIPT_SIGNING_TAG: &[u8] = b"gpunode/receipt/v1\0";
-/// Version of the receipt format: 2 added `peak_gpu_memory_bytes`. Receipts of
-/// version 1 stay readable and verifiable (see [`UsageReceiptV1`]).
-pub const RECEIPT_VERSION: u16 = 2;
+/// Version of the receipt format: 2 added `peak_gpu_memory_bytes`; 3 bills the time
+/// the lease held its resources (`billed_ms` is `end_ms - start_ms`, as Slurm bills
+/// allocated time), with what its jobs ran recorded beside it (`cpu_ms`, `gpu_ms`);
+/// before 3 only the jobs' run time was billed. Receipts of version 1 stay readable and
+/// verifiable (see [`UsageReceiptV1`]); version 3 has the layout of version 2.
+pub const RECEIPT_VERSION: u16 = 3;
+
+/// The first receipt version that bills held time.
+pub const HELD_TIME_VERSION: u16 = 3;
 /// Most claims in one settlement message.
 pub const MAX_CLAIMS_PER_MESSAGE: usize = 256;
 /// Largest settlement message.
@@ -58,11 +64,14 @@ pub struct UsageReceipt {
     pub start_ms: UnixMillis,
     /// When it ended (its end, or when it was cancelled).
     pub end_ms: UnixMillis,
-    /// Time the lease's jobs ran, ms: what is billed.
+    /// What is billed, ms: from version 3 the time the lease held its resources
+    /// (`end_ms - start_ms`); before, the time its jobs ran.
     pub billed_ms: u64,
-    /// GPU-milliseconds used: `billed_ms` x GPUs.
+    /// GPU-milliseconds the jobs used: measured from the driver, at most their run
+    /// time x GPUs.
     pub gpu_ms: u64,
-    /// CPU-milliseconds used: `billed_ms` x CPU cores.
+    /// CPU-milliseconds of the jobs: their run time x CPU cores (from version 3; before,
+    /// `billed_ms` x CPU cores).
     pub cpu_ms: u64,
     /// Jobs run under the lease.
     pub jobs: u32,

@@ -134,8 +134,9 @@ fn node_config(
         ram: Some(64 << 30),
         // Every node of a test network is on 127.0.0.1.
         max_connections_per_ip: 0,
-        // Scenarios lend whole machines to one requester.
+        // Scenarios lend whole machines to one requester, and start many requesters.
         max_gpus_per_peer: Some(u32::MAX),
+        new_peers_on_credit_per_day: 0,
         ..NodeConfig::default()
     };
     config.listen = vec![cfg.transport.listen_addr().parse()?];

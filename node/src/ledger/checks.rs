@@ -8,13 +8,14 @@
 
 use gpunode_protocol::lease::LeaseTerms;
 use gpunode_protocol::receipt::{
-    amount_for, Claim, ReceiptRefusal as Code, ReceiptRejection, RECEIPT_VERSION,
+    amount_for, Claim, ReceiptRefusal as Code, ReceiptRejection, UsageReceipt, HELD_TIME_VERSION,
+    RECEIPT_VERSION,
 };
 use gpunode_protocol::time::MAX_CLOCK_SKEW_MS;
 use libp2p::PeerId;
 
 use super::meter::LeaseUsage;
-use crate::lease::{LeaseRecord, LeaseRole};
+use crate::lease::{LeaseRecord, LeaseRole, LeaseState};
 
 /// How much more run time than we observed a provider may bill (its clock and ours
 /// start and stop at slightly different moments; ours includes transfers, so honest
@@ -48,7 +49,7 @@ pub fn check_claim_with(
 ) -> Result<(), ReceiptRejection> {
     let r = &claim.receipt;
     // Format 1 claims may still wait at providers that upgraded.
-    if r.version != RECEIPT_VERSION && r.version != 1 {
+    if r.version > RECEIPT_VERSION || r.version == 0 {
         return Err(refuse(
             Code::Invalid,
             format!("receipt version {} is not supported", r.version),
@@ -102,15 +103,10 @@ pub fn check_claim_with(
             ),
         ));
     }
-    let window = r.end_ms - r.start_ms;
-    if r.billed_ms > window + USAGE_TOLERANCE_MS {
-        return Err(refuse(
-            Code::TimesOutsideLease,
-            format!(
-                "the receipt bills {} ms, more than the {window} ms it covers",
-                r.billed_ms
-            ),
-        ));
+    if r.version >= HELD_TIME_VERSION {
+        check_held_time(r, lease, observed)?;
+    } else {
+        check_run_time(r, observed)?;
     }
     let leased_gpu_memory: u64 = t.gpus.iter().map(|g| g.memory_bytes).sum();
     // Format 1 has no peak: its signature does not cover one.
@@ -129,26 +125,6 @@ pub fn check_claim_with(
             ),
         ));
     }
-    // GPU time is measured by the provider (or the leased GPU time when it measured
-    // nothing), so it is at most the leased GPUs over the billed time.
-    if r.gpu_ms > r.billed_ms.saturating_mul(r.gpus as u64)
-        || r.cpu_ms != r.billed_ms.saturating_mul(r.cpus as u64)
-    {
-        return Err(refuse(
-            Code::Inflated,
-            "GPU- or CPU-seconds do not follow from the billed time and the leased resources",
-        ));
-    }
-    let due = amount_for(r.price_per_gpu_hour_millicredits, r.gpus, r.billed_ms);
-    if r.amount_millicredits != due {
-        return Err(refuse(
-            Code::Inflated,
-            format!(
-                "the amount {} does not follow from the usage ({} ms at the lease's price is {due})",
-                r.amount_millicredits, r.billed_ms
-            ),
-        ));
-    }
     if r.amount_millicredits > t.max_amount_millicredits() {
         return Err(refuse(
             Code::Inflated,
@@ -156,16 +132,6 @@ pub fn check_claim_with(
                 "the amount {} is more than the lease's maximum {}",
                 r.amount_millicredits,
                 t.max_amount_millicredits()
-            ),
-        ));
-    }
-    if r.billed_ms > observed.billed_ms + USAGE_TOLERANCE_MS {
-        return Err(refuse(
-            Code::Inflated,
-            format!(
-                "the provider bills {:.1} s of run time but its jobs took at most {:.1} s as seen here",
-                r.billed_ms as f64 / 1000.0,
-                observed.billed_ms as f64 / 1000.0
             ),
         ));
     }
@@ -182,6 +148,122 @@ pub fn check_claim_with(
         return Err(refuse(
             Code::OutputMismatch,
             "the receipt's output digest differs from the outputs received here",
+        ));
+    }
+    Ok(())
+}
+
+/// The usage rules of a receipt that bills held time (version 3): the billed time is
+/// the whole window, the window ends no later than the lease ended here (its end, or
+/// when we cancelled it), the run time (`cpu_ms` / CPUs) is no more than we observed,
+/// GPU time no more than the GPUs over the run time, and the amount follows.
+fn check_held_time(
+    r: &UsageReceipt,
+    lease: &LeaseRecord,
+    observed: &LeaseUsage,
+) -> Result<(), ReceiptRejection> {
+    let t = &lease.terms;
+    let held = r.end_ms - r.start_ms;
+    if r.billed_ms != held {
+        return Err(refuse(
+            Code::Inflated,
+            format!(
+                "the receipt bills {} ms but covers {held} ms; it must bill the time the lease held",
+                r.billed_ms
+            ),
+        ));
+    }
+    let ended_here = match lease.state {
+        LeaseState::Cancelled | LeaseState::Failed | LeaseState::Expired => {
+            lease.updated_ms.clamp(t.start_ms, t.end_ms)
+        }
+        _ => t.end_ms,
+    };
+    if r.end_ms > ended_here.saturating_add(MAX_CLOCK_SKEW_MS) {
+        return Err(refuse(
+            Code::Inflated,
+            format!(
+                "the provider bills the lease until {} (unix ms) but it ended here at {ended_here}",
+                r.end_ms
+            ),
+        ));
+    }
+    let cpus = u64::from(r.cpus);
+    let run_ms = r.cpu_ms.checked_div(cpus).unwrap_or(0);
+    if cpus > 0 && (!r.cpu_ms.is_multiple_of(cpus) || run_ms > held) {
+        return Err(refuse(
+            Code::Inflated,
+            "the CPU-seconds do not follow from a run time within the lease and its CPUs",
+        ));
+    }
+    if run_ms > observed.billed_ms.saturating_add(USAGE_TOLERANCE_MS) {
+        return Err(refuse(
+            Code::Inflated,
+            format!(
+                "the provider bills {:.1} s of run time but its jobs took at most {:.1} s as seen here",
+                run_ms as f64 / 1000.0,
+                observed.billed_ms as f64 / 1000.0
+            ),
+        ));
+    }
+    // GPU time is measured by the provider (or the leased GPUs while jobs ran), so it
+    // is at most the leased GPUs over the run time (or the window, without CPUs).
+    let gpu_cap = if cpus > 0 { run_ms } else { held };
+    if r.gpu_ms > gpu_cap.saturating_mul(u64::from(r.gpus)) {
+        return Err(refuse(
+            Code::Inflated,
+            "the GPU-seconds are more than the leased GPUs over the run time",
+        ));
+    }
+    check_amount(r)
+}
+
+/// The usage rules of a receipt that bills run time (versions 1 and 2, still waiting at
+/// providers that upgraded).
+fn check_run_time(r: &UsageReceipt, observed: &LeaseUsage) -> Result<(), ReceiptRejection> {
+    let window = r.end_ms - r.start_ms;
+    if r.billed_ms > window + USAGE_TOLERANCE_MS {
+        return Err(refuse(
+            Code::TimesOutsideLease,
+            format!(
+                "the receipt bills {} ms, more than the {window} ms it covers",
+                r.billed_ms
+            ),
+        ));
+    }
+    // GPU time is measured by the provider (or the leased GPU time when it measured
+    // nothing), so it is at most the leased GPUs over the billed time.
+    if r.gpu_ms > r.billed_ms.saturating_mul(r.gpus as u64)
+        || r.cpu_ms != r.billed_ms.saturating_mul(r.cpus as u64)
+    {
+        return Err(refuse(
+            Code::Inflated,
+            "GPU- or CPU-seconds do not follow from the billed time and the leased resources",
+        ));
+    }
+    if r.billed_ms > observed.billed_ms.saturating_add(USAGE_TOLERANCE_MS) {
+        return Err(refuse(
+            Code::Inflated,
+            format!(
+                "the provider bills {:.1} s of run time but its jobs took at most {:.1} s as seen here",
+                r.billed_ms as f64 / 1000.0,
+                observed.billed_ms as f64 / 1000.0
+            ),
+        ));
+    }
+    check_amount(r)
+}
+
+/// The amount must follow from the billed time at the lease's price.
+fn check_amount(r: &UsageReceipt) -> Result<(), ReceiptRejection> {
+    let due = amount_for(r.price_per_gpu_hour_millicredits, r.gpus, r.billed_ms);
+    if r.amount_millicredits != due {
+        return Err(refuse(
+            Code::Inflated,
+            format!(
+                "the amount {} does not follow from the usage ({} ms at the lease's price is {due})",
+                r.amount_millicredits, r.billed_ms
+            ),
         ));
     }
     Ok(())

@@ -72,14 +72,15 @@ fn honest(s: &Setup) -> UsageReceipt {
         mem_bytes: t.mem_bytes,
         start_ms: t.start_ms,
         end_ms: 200_000,
-        billed_ms: 10_000,
+        // Held from the start until we cancelled it; its job ran 10 s of that.
+        billed_ms: 100_000,
         gpu_ms: 10_000,
         cpu_ms: 20_000,
         jobs: 1,
         exit_status: "exited 0".into(),
         output_digest: lease_output_digest(&[[9; 32]]),
         price_per_gpu_hour_millicredits: t.price_per_gpu_hour_millicredits,
-        amount_millicredits: amount_for(t.price_per_gpu_hour_millicredits, 1, 10_000),
+        amount_millicredits: amount_for(t.price_per_gpu_hour_millicredits, 1, 100_000),
         issued_at_ms: 200_000,
         peak_gpu_memory_bytes: 0,
     }
@@ -155,20 +156,18 @@ fn inflated_receipts_are_refused() {
     let mut r = honest(&s);
     r.amount_millicredits += 1;
     assert_eq!(check(&s, r), Err(Code::Inflated));
-    // Usage (consistently priced) beyond what we observed.
+    // Run time beyond what we observed.
     let mut r = honest(&s);
-    r.billed_ms = 60_000;
     r.gpu_ms = 60_000;
     r.cpu_ms = 120_000;
-    r.amount_millicredits = amount_for(r.price_per_gpu_hour_millicredits, 1, 60_000);
     assert_eq!(check(&s, r), Err(Code::Inflated));
-    // CPU-seconds out of line with the billed time.
+    // CPU-seconds that are no whole run time on the leased CPUs.
     let mut r = honest(&s);
-    r.cpu_ms *= 3;
+    r.cpu_ms += 1;
     assert_eq!(check(&s, r), Err(Code::Inflated));
-    // More GPU time than the leased GPUs had over the billed time.
+    // More GPU time than the leased GPUs had while the jobs ran.
     let mut r = honest(&s);
-    r.gpu_ms = r.billed_ms * r.gpus as u64 + 1;
+    r.gpu_ms = 10_000 * r.gpus as u64 + 1;
     assert_eq!(check(&s, r), Err(Code::Inflated));
     // Less measured GPU time (the job used its GPU part of the time) is fine.
     let mut r = honest(&s);
@@ -205,8 +204,67 @@ fn times_outside_the_lease_are_refused() {
     r.end_ms = s.lease.terms.end_ms + 60_000;
     assert_eq!(check(&s, r), Err(Code::TimesOutsideLease));
     let mut r = honest(&s);
-    r.end_ms = r.start_ms + 1_000;
+    r.end_ms = r.start_ms - 1;
     assert_eq!(check(&s, r), Err(Code::TimesOutsideLease));
+}
+
+#[test]
+fn holding_a_lease_is_billed_even_when_nothing_ran() {
+    let mut s = setup();
+    s.observed = LeaseUsage::default();
+    let mut r = honest(&s);
+    r.gpu_ms = 0;
+    r.cpu_ms = 0;
+    r.jobs = 0;
+    r.exit_status = "none".into();
+    r.output_digest = lease_output_digest(&[]);
+    assert!(r.amount_millicredits > 0);
+    assert_eq!(check(&s, r), Ok(()));
+}
+
+#[test]
+fn billing_past_the_end_we_saw_or_another_window_is_refused() {
+    let s = setup();
+    // We cancelled at 200 s; the provider bills until 400 s (consistently priced).
+    let mut r = honest(&s);
+    r.end_ms = 400_000;
+    r.billed_ms = r.end_ms - r.start_ms;
+    r.amount_millicredits = amount_for(r.price_per_gpu_hour_millicredits, 1, r.billed_ms);
+    assert_eq!(check(&s, r), Err(Code::Inflated));
+    // Within the clock-skew tolerance it passes (the provider heard the cancel later).
+    let mut r = honest(&s);
+    r.end_ms = 210_000;
+    r.billed_ms = r.end_ms - r.start_ms;
+    r.amount_millicredits = amount_for(r.price_per_gpu_hour_millicredits, 1, r.billed_ms);
+    assert_eq!(check(&s, r), Ok(()));
+    // A billed time that is not the window.
+    let mut r = honest(&s);
+    r.billed_ms += 50_000;
+    r.amount_millicredits = amount_for(r.price_per_gpu_hour_millicredits, 1, r.billed_ms);
+    assert_eq!(check(&s, r), Err(Code::Inflated));
+    // A lease still active here may be billed to its term's end.
+    let mut s2 = setup();
+    s2.lease.state = LeaseState::Active;
+    let mut r = honest(&s2);
+    r.end_ms = s2.lease.terms.end_ms;
+    r.billed_ms = r.end_ms - r.start_ms;
+    r.amount_millicredits = amount_for(r.price_per_gpu_hour_millicredits, 1, r.billed_ms);
+    assert_eq!(check(&s2, r), Ok(()));
+}
+
+#[test]
+fn a_version_2_receipt_is_still_checked_by_run_time() {
+    let s = setup();
+    let mut r = honest(&s);
+    r.version = 2;
+    r.billed_ms = 10_000;
+    r.amount_millicredits = amount_for(r.price_per_gpu_hour_millicredits, 1, 10_000);
+    assert_eq!(check(&s, r.clone()), Ok(()));
+    r.billed_ms = 60_000;
+    r.gpu_ms = 60_000;
+    r.cpu_ms = 120_000;
+    r.amount_millicredits = amount_for(r.price_per_gpu_hour_millicredits, 1, 60_000);
+    assert_eq!(check(&s, r), Err(Code::Inflated));
 }
 
 #[test]

@@ -13,6 +13,7 @@
 pub mod chain;
 pub mod checks;
 pub mod meter;
+pub mod newcomers;
 pub mod reputation;
 pub mod settle;
 pub mod views;

@@ -174,6 +174,9 @@ pub struct Accounts {
     pub debt_limit_millicredits: u64,
     /// Lowest reputation admitted.
     pub min_reputation: f64,
+    /// Strangers drawing on the allowance (bounded per day, see
+    /// [`super::newcomers`]).
+    pub newcomers: super::newcomers::Newcomers,
     /// Cheating switches for test networks.
     pub misbehaviour: Misbehaviour,
 }
@@ -193,6 +196,8 @@ pub struct CreditPolicy {
     pub debt_limit_millicredits: u64,
     /// Lowest reputation admitted.
     pub min_reputation: f64,
+    /// New peer ids a day that may draw on the allowance outside a team (0: no limit).
+    pub new_peers_on_credit_per_day: u32,
 }
 
 impl Accounts {
@@ -224,6 +229,7 @@ impl Accounts {
             allowance_millicredits: policy.allowance_millicredits,
             debt_limit_millicredits: policy.debt_limit_millicredits,
             min_reputation: policy.min_reputation,
+            newcomers: super::newcomers::Newcomers::new(policy.new_peers_on_credit_per_day),
             misbehaviour,
         };
         Ok((Arc::new(accounts), writer))
@@ -268,7 +274,19 @@ impl Accounts {
         new_max: u64,
         allowance_override: Option<u64>,
     ) -> Result<(), Rejection> {
-        let allowance = allowance_override.unwrap_or(self.allowance_millicredits);
+        // Outside a team, a peer that would draw on the allowance gets its share of the
+        // strangers' allowance of the day (Sybil ids cannot mint credit).
+        let now = gpunode_protocol::time::now_ms();
+        let own = self.standing_with(peer, 0);
+        let draws =
+            allowance_override.is_none() && own - open_exposure as i128 - (new_max as i128) < 0;
+        let allowance = match allowance_override {
+            Some(a) => a,
+            None if draws => self
+                .newcomers
+                .allowance_for(peer, self.allowance_millicredits, now),
+            None => self.allowance_millicredits,
+        };
         let score = self.reputation.score(peer);
         if score < self.min_reputation {
             return Err(Rejection::new(
@@ -293,6 +311,9 @@ impl Accounts {
                     credits(self.debt_limit_millicredits),
                 ),
             ));
+        }
+        if draws {
+            self.newcomers.drawing(peer, now);
         }
         Ok(())
     }
@@ -351,23 +372,25 @@ impl Accounts {
         made
     }
 
-    /// The receipt for an ended lease, from what its jobs ran. Deterministic: the same
-    /// lease and usage always give the same receipt.
+    /// The receipt for an ended lease: the time it held its resources is billed, and
+    /// what its jobs ran is recorded beside it. Deterministic: the same lease and usage
+    /// always give the same receipt.
     fn receipt_for(&self, record: &LeaseRecord) -> UsageReceipt {
         let t = &record.terms;
         let usage = self.metered.get(&t.lease_id);
         let mut end_ms = record.updated_ms.clamp(t.start_ms, t.end_ms);
-        let mut billed_ms = usage.billed_ms.min(end_ms - t.start_ms);
+        let mut run_ms = usage.billed_ms.min(end_ms - t.start_ms);
         if self.misbehaviour.inflate_billing > 1 {
-            // The cheat bills many times what ran, over the lease's whole term so the
-            // times still look plausible.
+            // The cheat bills the lease's whole term although it was cancelled early,
+            // and many times the run time, so the times still look plausible.
             end_ms = t.end_ms;
-            billed_ms = (usage
+            run_ms = (usage
                 .billed_ms
                 .saturating_mul(self.misbehaviour.inflate_billing)
                 + 5_000)
                 .min(end_ms - t.start_ms);
         }
+        let held_ms = end_ms - t.start_ms;
         let gpus = t.gpus.len() as u32;
         UsageReceipt {
             version: RECEIPT_VERSION,
@@ -379,19 +402,20 @@ impl Accounts {
             mem_bytes: t.mem_bytes,
             start_ms: t.start_ms,
             end_ms,
-            billed_ms,
+            billed_ms: held_ms,
             // Measured GPU time where the driver showed the job's processes; leased GPU
-            // time otherwise. Never more than the leased GPUs over the billed time.
+            // time while jobs ran otherwise. Never more than the leased GPUs over the
+            // run time.
             gpu_ms: usage
                 .measured_gpu_ms
                 .unwrap_or(u64::MAX)
-                .min(billed_ms.saturating_mul(gpus as u64)),
-            cpu_ms: billed_ms.saturating_mul(t.cpus as u64),
+                .min(run_ms.saturating_mul(gpus as u64)),
+            cpu_ms: run_ms.saturating_mul(t.cpus as u64),
             jobs: usage.jobs,
             exit_status: usage.exit_status(),
             output_digest: usage.output_digest(),
             price_per_gpu_hour_millicredits: t.price_per_gpu_hour_millicredits,
-            amount_millicredits: amount_for(t.price_per_gpu_hour_millicredits, gpus, billed_ms),
+            amount_millicredits: amount_for(t.price_per_gpu_hour_millicredits, gpus, held_ms),
             issued_at_ms: end_ms,
             // A job may hold more than a capped lease lends (`lend_gpu_memory`); the
             // receipt never claims more than the leased GPUs' memory.
@@ -908,8 +932,47 @@ async fn send_claims(
 }
 
 #[cfg(test)]
-mod refused_tests {
+mod accounts_tests {
     use super::*;
+
+    #[test]
+    fn sybil_strangers_cannot_mint_credit_but_team_members_keep_theirs() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let store = Store::open(dir.path()).expect("store");
+        let (accounts, _writer) = Accounts::open(
+            store,
+            Keypair::generate_ed25519(),
+            CreditPolicy {
+                allowance_millicredits: 10_000,
+                debt_limit_millicredits: 0,
+                min_reputation: 0.0,
+                new_peers_on_credit_per_day: 2,
+            },
+            Misbehaviour::default(),
+        )
+        .expect("open");
+        // The first new id may use its whole allowance, the second half of it.
+        let first = PeerId::random();
+        accounts.admit(&first, 0, 10_000, None).expect("first");
+        let second = PeerId::random();
+        assert!(accounts.admit(&second, 0, 10_000, None).is_err());
+        accounts
+            .admit(&second, 0, 5_000, None)
+            .expect("second, half");
+        // Then fresh ids get nothing, however many are made.
+        for _ in 0..50 {
+            let sybil = PeerId::random();
+            let err = accounts.admit(&sybil, 0, 1, None).expect_err("sybil");
+            assert_eq!(err.code, RejectCode::DebtLimit);
+        }
+        // The first keeps its share; a team's allowance is not limited this way.
+        accounts
+            .admit(&first, 0, 10_000, None)
+            .expect("first again");
+        accounts
+            .admit(&PeerId::random(), 0, 10_000, Some(10_000))
+            .expect("a team member");
+    }
 
     #[test]
     fn refused_receipts_are_bounded_oldest_first() {
