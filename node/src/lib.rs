@@ -585,7 +585,9 @@ impl Node {
         });
         let policy = lease::LeasePolicy {
             max_duration_ms: config.max_lease_duration.as_millis() as u64,
-            price_per_gpu_hour_millicredits: (config.price_per_gpu_hour * 1000.0).round() as u64,
+            // What the advert says, unless a test network's cheat charges more.
+            price_per_gpu_hour_millicredits: ((config.price_per_gpu_hour * 1000.0).round() as u64)
+                .saturating_mul(opts.misbehaviour.overcharge.max(1)),
             backends: config.backends.clone(),
             max_gpus_per_peer: config.max_gpus_per_peer.unwrap_or_else(|| {
                 lease::policy::default_max_gpus_per_peer(first_snapshot.gpus.len(), team.is_some())

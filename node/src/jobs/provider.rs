@@ -504,8 +504,12 @@ impl JobService {
         let outcome = run.await.map_err(std::io::Error::other)?;
         control.set_root_pid(0);
         // Time the owner held the job paused (`suspend`) is not billed.
-        let run_ms =
-            (started.elapsed().as_millis() as u64).saturating_sub(control.pause.paused_ms());
+        let paused_ms = control.pause.paused_ms();
+        let run_ms = (started.elapsed().as_millis() as u64).saturating_sub(paused_ms);
+        self.node
+            .accounts()
+            .metered
+            .add_paused(submit.lease_id, paused_ms);
         if let Some(e) = lost {
             usage.record(run_ms, "interrupted".into(), None, None);
             return Err(e);
@@ -548,7 +552,12 @@ impl JobService {
                 }
             }
         };
-        let files: Vec<JobFile> = outputs.iter().map(|(f, _)| f.clone()).collect();
+        let mut files: Vec<JobFile> = outputs.iter().map(|(f, _)| f.clone()).collect();
+        if let (Some(name), Some(first)) =
+            (accounts.misbehaviour.evil_output_name, files.first_mut())
+        {
+            first.path = name.to_string();
+        }
         // Samples cover whole poll intervals: never more than the GPUs over the run.
         let gpu_use = control.gpu_use().map(|mut g| {
             g.gpu_ms = g

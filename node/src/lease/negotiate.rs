@@ -136,6 +136,31 @@ impl NodeHandle {
             .unwrap_or_default()
     }
 
+    /// Where to reach `peer` (nothing when connected) and the price it advertises
+    /// (millicredits per GPU-hour), when its advert is found.
+    async fn target_of(&self, peer: PeerId) -> (Vec<Multiaddr>, Option<u64>) {
+        let advert = self
+            .find_adverts(vec![peer])
+            .await
+            .ok()
+            .and_then(|v| v.into_iter().next());
+        let price = advert
+            .as_ref()
+            .map(|o| (o.price_per_gpu_hour * 1000.0).round() as u64);
+        if let Ok(true) = self.ask(|reply| Command::IsConnected { peer, reply }).await {
+            return (Vec::new(), price);
+        }
+        let addrs = advert
+            .map(|o| {
+                o.listen_addrs
+                    .iter()
+                    .filter_map(|a| a.parse().ok())
+                    .collect()
+            })
+            .unwrap_or_default();
+        (addrs, price)
+    }
+
     /// Finds a provider (or asks the named one), negotiates and records a lease.
     pub async fn request_lease(&self, spec: LeaseSpec) -> Result<LeaseView, LeaseError> {
         if spec.duration_ms == 0 {
@@ -157,7 +182,8 @@ impl NodeHandle {
                 let peer: PeerId = p.parse().map_err(|_| {
                     LeaseError::Invalid(format!("'{p}' is not a peer id (12D3KooW...)"))
                 })?;
-                vec![(peer, self.addresses_of(peer).await, None)]
+                let (addrs, advertised) = self.target_of(peer).await;
+                vec![(peer, addrs, advertised)]
             }
             None => {
                 let filter = OfferFilter {

@@ -153,9 +153,10 @@ pub fn check_claim_with(
     Ok(())
 }
 
-/// The usage rules of a receipt that bills held time (version 3): the billed time is
-/// the whole window, the window ends no later than the lease ended here (its end, or
-/// when we cancelled it), the run time (`cpu_ms` / CPUs) is no more than we observed,
+/// The usage rules of a receipt that bills held time (version 3): the billed time is at
+/// most the window (less the time the provider's owner held the jobs paused), the
+/// window ends no later than the lease ended here (its end, or when we cancelled it;
+/// never in the future), the run time (`cpu_ms` / CPUs) is no more than we observed,
 /// GPU time no more than the GPUs over the run time, and the amount follows.
 fn check_held_time(
     r: &UsageReceipt,
@@ -163,21 +164,23 @@ fn check_held_time(
     observed: &LeaseUsage,
 ) -> Result<(), ReceiptRejection> {
     let t = &lease.terms;
+    // At most the window (less where the provider's owner held the jobs paused).
     let held = r.end_ms - r.start_ms;
-    if r.billed_ms != held {
+    if r.billed_ms > held {
         return Err(refuse(
             Code::Inflated,
             format!(
-                "the receipt bills {} ms but covers {held} ms; it must bill the time the lease held",
+                "the receipt bills {} ms but covers only {held} ms",
                 r.billed_ms
             ),
         ));
     }
+    // A lease ends here when we cancelled it, or at its end; never in the future.
     let ended_here = match lease.state {
         LeaseState::Cancelled | LeaseState::Failed | LeaseState::Expired => {
             lease.updated_ms.clamp(t.start_ms, t.end_ms)
         }
-        _ => t.end_ms,
+        _ => t.end_ms.min(gpunode_protocol::time::now_ms()),
     };
     if r.end_ms > ended_here.saturating_add(MAX_CLOCK_SKEW_MS) {
         return Err(refuse(
@@ -190,7 +193,7 @@ fn check_held_time(
     }
     let cpus = u64::from(r.cpus);
     let run_ms = r.cpu_ms.checked_div(cpus).unwrap_or(0);
-    if cpus > 0 && (!r.cpu_ms.is_multiple_of(cpus) || run_ms > held) {
+    if cpus > 0 && (!r.cpu_ms.is_multiple_of(cpus) || run_ms > r.billed_ms) {
         return Err(refuse(
             Code::Inflated,
             "the CPU-seconds do not follow from a run time within the lease and its CPUs",
@@ -208,7 +211,7 @@ fn check_held_time(
     }
     // GPU time is measured by the provider (or the leased GPUs while jobs ran), so it
     // is at most the leased GPUs over the run time (or the window, without CPUs).
-    let gpu_cap = if cpus > 0 { run_ms } else { held };
+    let gpu_cap = if cpus > 0 { run_ms } else { r.billed_ms };
     if r.gpu_ms > gpu_cap.saturating_mul(u64::from(r.gpus)) {
         return Err(refuse(
             Code::Inflated,

@@ -51,6 +51,7 @@ fn setup() -> Setup {
         digests: vec![[9; 32]],
         measured_gpu_ms: None,
         peak_gpu_memory_bytes: 0,
+        paused_ms: 0,
     };
     Setup {
         provider,
@@ -237,12 +238,23 @@ fn billing_past_the_end_we_saw_or_another_window_is_refused() {
     r.billed_ms = r.end_ms - r.start_ms;
     r.amount_millicredits = amount_for(r.price_per_gpu_hour_millicredits, 1, r.billed_ms);
     assert_eq!(check(&s, r), Ok(()));
-    // A billed time that is not the window.
+    // A billed time longer than the window.
     let mut r = honest(&s);
     r.billed_ms += 50_000;
     r.amount_millicredits = amount_for(r.price_per_gpu_hour_millicredits, 1, r.billed_ms);
     assert_eq!(check(&s, r), Err(Code::Inflated));
-    // A lease still active here may be billed to its term's end.
+    // Shorter (time the owner held the job paused is not billed) is fine.
+    let mut r = honest(&s);
+    r.billed_ms -= 50_000;
+    r.amount_millicredits = amount_for(r.price_per_gpu_hour_millicredits, 1, r.billed_ms);
+    assert_eq!(check(&s, r), Ok(()));
+    // But never shorter than the run time it records.
+    let mut r = honest(&s);
+    r.billed_ms = 5_000;
+    r.amount_millicredits = amount_for(r.price_per_gpu_hour_millicredits, 1, r.billed_ms);
+    assert_eq!(check(&s, r), Err(Code::Inflated));
+    // A lease still active here may be billed to its term's end once that has passed,
+    // never into the future.
     let mut s2 = setup();
     s2.lease.state = LeaseState::Active;
     let mut r = honest(&s2);
@@ -250,6 +262,18 @@ fn billing_past_the_end_we_saw_or_another_window_is_refused() {
     r.billed_ms = r.end_ms - r.start_ms;
     r.amount_millicredits = amount_for(r.price_per_gpu_hour_millicredits, 1, r.billed_ms);
     assert_eq!(check(&s2, r), Ok(()));
+    let now = gpunode_protocol::time::now_ms();
+    s2.lease.terms.start_ms = now - 100_000;
+    s2.lease.terms.end_ms = now + 3_600_000;
+    let mut r = honest(&s2);
+    r.start_ms = s2.lease.terms.start_ms;
+    r.end_ms = s2.lease.terms.end_ms;
+    r.billed_ms = r.end_ms - r.start_ms;
+    r.amount_millicredits = amount_for(r.price_per_gpu_hour_millicredits, 1, r.billed_ms);
+    assert_eq!(
+        check_against(&s2, &signed(&s2, r), Some(&s2.lease)),
+        Err(Code::Inflated)
+    );
 }
 
 #[test]

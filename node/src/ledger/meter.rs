@@ -31,6 +31,8 @@ pub struct LeaseUsage {
     pub measured_gpu_ms: Option<u64>,
     /// Most GPU memory a job held at once, bytes (measured; 0 when not).
     pub peak_gpu_memory_bytes: u64,
+    /// Time the GPU's owner held the lease's jobs paused (`suspend`), ms: not billed.
+    pub paused_ms: u64,
 }
 
 impl LeaseUsage {
@@ -102,6 +104,25 @@ impl UsageMeter {
             let u = leases.entry(lease).or_default();
             u.measured_gpu_ms = Some(u.measured_gpu_ms.unwrap_or(0).saturating_add(gpu_ms));
             u.peak_gpu_memory_bytes = u.peak_gpu_memory_bytes.max(peak_memory_bytes);
+            u.clone()
+        };
+        if let Err(e) = self
+            .store
+            .put(self.tree, &lease.0, &encoding::encode(&usage))
+        {
+            tracing::warn!("cannot store usage of lease {lease}: {e}");
+        }
+    }
+
+    /// Adds time the owner held a job of `lease` paused.
+    pub fn add_paused(&self, lease: LeaseId, ms: u64) {
+        if ms == 0 {
+            return;
+        }
+        let usage = {
+            let mut leases = self.lock();
+            let u = leases.entry(lease).or_default();
+            u.paused_ms = u.paused_ms.saturating_add(ms);
             u.clone()
         };
         if let Err(e) = self

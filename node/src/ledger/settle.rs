@@ -57,6 +57,10 @@ pub struct Misbehaviour {
     pub inflate_billing: u64,
     /// Flip bytes in every output file before sending it.
     pub corrupt_outputs: bool,
+    /// Announce the first output file under this name (a path that escapes, say).
+    pub evil_output_name: Option<&'static str>,
+    /// Charge this many times the advertised price in offers (0 or 1: honest).
+    pub overcharge: u64,
 }
 
 /// A claim and where it stands.
@@ -390,7 +394,10 @@ impl Accounts {
                 + 5_000)
                 .min(end_ms - t.start_ms);
         }
-        let held_ms = end_ms - t.start_ms;
+        // The time the owner held the jobs paused is not billed.
+        let held_ms = (end_ms - t.start_ms)
+            .saturating_sub(usage.paused_ms)
+            .max(run_ms);
         let gpus = t.gpus.len() as u32;
         UsageReceipt {
             version: RECEIPT_VERSION,

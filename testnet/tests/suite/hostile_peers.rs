@@ -202,3 +202,187 @@ async fn forged_oversized_and_garbage_records_are_refused_and_counted() {
         .any(|o| o.gpus.iter().any(|g| g.model.starts_with("B200"))));
     net.shutdown().await;
 }
+
+/// The kit's attacks on real nodes: each one is refused, nothing is lost, and the honest
+/// peer beside it is still served.
+mod attacks {
+    use std::time::Duration;
+
+    use gpunode_node::ledger::settle::Misbehaviour;
+    use gpunode_node::{LeaseError, NodeConfig};
+    use testnet::jobs::{request, run_to_end, task};
+    use testnet::ledger::bare_lease;
+    use testnet::{TestNet, TestNetConfig};
+
+    const LONG: Duration = Duration::from_secs(120);
+
+    async fn eventually(what: &str, mut f: impl FnMut() -> bool) {
+        let deadline = tokio::time::Instant::now() + LONG;
+        while !f() {
+            assert!(tokio::time::Instant::now() < deadline, "timed out: {what}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_flood_of_idle_job_streams_does_not_stop_an_honest_job() {
+        let net = TestNet::start(TestNetConfig::new(vec![None]))
+            .await
+            .expect("start");
+        let provider = net.nodes[0].handle.clone();
+        let mut attacker = net.client().await.expect("attacker");
+        // Open job streams and never say anything on them.
+        let mut held = Vec::new();
+        for _ in 0..400 {
+            match tokio::time::timeout(
+                Duration::from_secs(2),
+                attacker.handle.open_job_stream(provider.peer_id()),
+            )
+            .await
+            {
+                Ok(Ok(s)) => held.push(s),
+                _ => break,
+            }
+        }
+        assert!(
+            held.len() >= 100,
+            "the attacker opened {} streams",
+            held.len()
+        );
+        // An honest requester beside it still gets its job done.
+        let mut client = net.client().await.expect("client");
+        let input = tempfile::tempdir().expect("tmp");
+        std::fs::write(input.path().join("data.bin"), b"honest bytes").expect("write");
+        let out = tempfile::tempdir().expect("tmp");
+        let mut req = request(task("copy.wat"), &out.path().join("out"));
+        req.inputs = vec![input.path().join("data.bin")];
+        let (_, end) = run_to_end(&client.handle, req, LONG).await.expect("run");
+        let summary = end.expect("the honest job runs during the flood");
+        assert_eq!(
+            std::fs::read(summary.output_dir.join("copy.bin")).expect("output"),
+            b"honest bytes"
+        );
+        // The idle streams were turned away (past the handler limit, or silent past the
+        // first-message deadline), and counted.
+        let metrics = provider.metrics().clone();
+        eventually("the idle streams are dropped", || {
+            metrics.stream_refused_count("job", "busy")
+                + metrics.stream_refused_count("job", "silent")
+                > 0
+        })
+        .await;
+        drop(held);
+        client.shutdown().await;
+        attacker.shutdown().await;
+        net.shutdown().await;
+    }
+
+    fn evil_first(i: usize) -> Misbehaviour {
+        match i {
+            0 => Misbehaviour {
+                evil_output_name: Some("../escape.bin"),
+                ..Misbehaviour::default()
+            },
+            _ => Misbehaviour::default(),
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_provider_naming_outputs_outside_the_job_writes_nothing_there() {
+        let mut config = TestNetConfig::new(vec![None, None]);
+        config.misbehaviour = Some(evil_first);
+        let net = TestNet::start(config).await.expect("start");
+        let evil = net.nodes[0].handle.peer_id().to_string();
+        let mut client = net.client().await.expect("client");
+        TestNet::wait_for_offers(
+            &client.handle,
+            &gpunode_protocol::advert::OfferFilter::default(),
+            LONG,
+            |o| o.len() == 2,
+        )
+        .await
+        .expect("offers");
+        let input = tempfile::tempdir().expect("tmp");
+        std::fs::write(input.path().join("data.bin"), b"the bytes").expect("write");
+        let work = tempfile::tempdir().expect("tmp");
+        let mut req = request(task("copy.wat"), &work.path().join("out"));
+        req.inputs = vec![input.path().join("data.bin")];
+        req.peer = Some(evil);
+        req.retries = 0;
+        let (_, end) = run_to_end(&client.handle, req.clone(), LONG)
+            .await
+            .expect("run");
+        let err = end.expect_err("the evil provider's outputs are refused");
+        assert!(err.contains("refused"), "{err}");
+        // Nothing escaped, and nothing of the job was left behind.
+        assert!(!work.path().join("escape.bin").exists());
+        assert_eq!(std::fs::read_dir(work.path()).expect("dir").count(), 0);
+        // The honest provider serves the same job.
+        req.peer = None;
+        req.retries = 2;
+        req.replicas = 0;
+        let (_, end) = run_to_end(&client.handle, req, LONG).await.expect("run");
+        let summary = end.expect("an honest provider runs it");
+        assert_eq!(
+            std::fs::read(summary.output_dir.join("copy.bin")).expect("output"),
+            b"the bytes"
+        );
+        client.shutdown().await;
+        net.shutdown().await;
+    }
+
+    fn overcharge_first(i: usize) -> Misbehaviour {
+        match i {
+            0 => Misbehaviour {
+                overcharge: 5,
+                ..Misbehaviour::default()
+            },
+            _ => Misbehaviour::default(),
+        }
+    }
+
+    fn cheapest_first(i: usize, c: &mut NodeConfig) {
+        c.price_per_gpu_hour = if i == 0 { 0.5 } else { 1.0 };
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_offer_above_the_advertised_price_is_refused() {
+        let mut config = TestNetConfig::new(vec![Some("1xT4-16GB".into()); 2]);
+        config.misbehaviour = Some(overcharge_first);
+        config.tweak = Some(cheapest_first);
+        let net = TestNet::start(config).await.expect("start");
+        let liar = net.nodes[0].handle.peer_id().to_string();
+        let honest = net.nodes[1].handle.peer_id().to_string();
+        let mut client = net.client().await.expect("client");
+        TestNet::wait_for_offers(
+            &client.handle,
+            &gpunode_protocol::advert::OfferFilter::default(),
+            LONG,
+            |o| o.len() == 2,
+        )
+        .await
+        .expect("offers");
+        // No --max-price: the advertised price is the most a lease may cost.
+        let mut spec = bare_lease(&liar, 60_000);
+        spec.gpus = 1;
+        spec.max_price = None;
+        let err = client
+            .handle
+            .request_lease(spec.clone())
+            .await
+            .expect_err("the liar's price is refused");
+        match err {
+            LeaseError::AllRefused(list) => {
+                assert!(list[0].1.contains("price"), "{list:?}")
+            }
+            other => panic!("expected a price refusal, got {other:?}"),
+        }
+        // Without --peer the lease goes to the provider that charges what it advertises.
+        spec.peer = None;
+        let lease = client.handle.request_lease(spec).await.expect("a lease");
+        assert_eq!(lease.provider, honest);
+        assert_eq!(lease.price_per_gpu_hour, 1.0);
+        client.shutdown().await;
+        net.shutdown().await;
+    }
+}
