@@ -11,7 +11,8 @@ use gpunode_protocol::PeerId;
 use crate::inventory::InventorySnapshot;
 use crate::metrics::Metrics;
 
-/// Most adverts the book remembers; expired ones are dropped first when it is full.
+/// Most adverts the book remembers; when it is full, expired ones go first, then the
+/// oldest of the host with the most adverts.
 const MAX_BOOK_ENTRIES: usize = 20_000;
 
 /// Remembers the newest valid advert of every publisher and refuses the rest.
@@ -19,6 +20,19 @@ const MAX_BOOK_ENTRIES: usize = 20_000;
 pub struct AdvertBook {
     latest: HashMap<PeerId, Advert>,
     metrics: Arc<Metrics>,
+    max_entries: usize,
+}
+
+/// The address an advert's publisher listens on first (its IP), what Sybil identities
+/// of one machine share; "" when it names none.
+fn host_of(advert: &Advert) -> String {
+    advert
+        .listen_addrs
+        .iter()
+        .filter_map(|a| a.split('/').nth(2))
+        .next()
+        .unwrap_or_default()
+        .to_string()
 }
 
 impl AdvertBook {
@@ -27,6 +41,7 @@ impl AdvertBook {
         AdvertBook {
             latest: HashMap::new(),
             metrics,
+            max_entries: MAX_BOOK_ENTRIES,
         }
     }
 
@@ -50,12 +65,13 @@ impl AdvertBook {
         match &result {
             Ok(advert) => {
                 self.metrics.adverts_received.inc();
-                if self.latest.len() >= MAX_BOOK_ENTRIES {
+                if !self.latest.contains_key(publisher) && self.latest.len() >= self.max_entries {
                     self.latest.retain(|_, a| a.expires_at_ms > now);
+                    if self.latest.len() >= self.max_entries {
+                        self.evict_from_largest_host();
+                    }
                 }
-                if self.latest.len() < MAX_BOOK_ENTRIES {
-                    self.latest.insert(*publisher, advert.clone());
-                }
+                self.latest.insert(*publisher, advert.clone());
             }
             Err(e) => {
                 tracing::debug!(%publisher, "advert refused: {e}");
@@ -67,6 +83,28 @@ impl AdvertBook {
 }
 
 impl AdvertBook {
+    /// Makes room for one advert: the host (address) with the most adverts in the book
+    /// loses its oldest one. Ids are free to make but addresses are not, so a flood of
+    /// identities from one machine evicts itself, not everyone else.
+    fn evict_from_largest_host(&mut self) {
+        let mut per_host: HashMap<String, usize> = HashMap::new();
+        for a in self.latest.values() {
+            *per_host.entry(host_of(a)).or_default() += 1;
+        }
+        let Some(largest) = per_host.into_iter().max_by_key(|(_, n)| *n).map(|(h, _)| h) else {
+            return;
+        };
+        let victim = self
+            .latest
+            .iter()
+            .filter(|(_, a)| host_of(a) == largest)
+            .min_by_key(|(_, a)| a.issued_at_ms)
+            .map(|(p, _)| *p);
+        if let Some(p) = victim {
+            self.latest.remove(&p);
+        }
+    }
+
     /// The newest valid advert seen from `publisher`, if it has not expired.
     pub fn latest(&self, publisher: &PeerId, now: UnixMillis) -> Option<&Advert> {
         self.latest.get(publisher).filter(|a| a.expires_at_ms > now)
@@ -146,6 +184,10 @@ mod tests {
     use gpunode_protocol::Keypair;
 
     fn advert(key: &Keypair, seq: u64, now: UnixMillis) -> Vec<u8> {
+        advert_at(key, seq, now, vec![])
+    }
+
+    fn advert_at(key: &Keypair, seq: u64, now: UnixMillis, addrs: Vec<String>) -> Vec<u8> {
         let offer = LocalOffer {
             cpu_cores: 4,
             ram_bytes: 1 << 30,
@@ -167,7 +209,7 @@ mod tests {
                     withdrawn: false,
                 },
                 &inv,
-                vec![],
+                addrs,
                 &Default::default(),
             )
             .sign(key)
@@ -193,5 +235,47 @@ mod tests {
         assert!(metrics
             .encode()
             .contains("gpunode_adverts_rejected_total{reason=\"stale\"} 1"));
+    }
+
+    #[test]
+    fn sybil_adverts_from_one_host_evict_each_other_not_everyone_else() {
+        let mut book = AdvertBook::new(Metrics::new());
+        book.max_entries = 10;
+        let now = 1_800_000_000_000;
+        let honest: Vec<Keypair> = (0..3).map(|_| Keypair::generate_ed25519()).collect();
+        for (i, k) in honest.iter().enumerate() {
+            let addr = format!("/ip4/10.0.0.{i}/udp/4170/quic-v1");
+            book.accept(
+                &advert_at(k, 1, now, vec![addr]),
+                &k.public().to_peer_id(),
+                now,
+            )
+            .expect("honest");
+        }
+        // A thousand identities from one machine.
+        for n in 0..1000u64 {
+            let k = Keypair::generate_ed25519();
+            let addr = "/ip4/10.9.9.9/udp/4170/quic-v1".to_string();
+            book.accept(
+                &advert_at(&k, 1, now + n, vec![addr]),
+                &k.public().to_peer_id(),
+                now,
+            )
+            .expect("valid, but evicts its own kind");
+            assert!(book.latest.len() <= 10);
+        }
+        for k in &honest {
+            assert!(book.latest(&k.public().to_peer_id(), now).is_some());
+        }
+        // A newcomer still gets in.
+        let k = Keypair::generate_ed25519();
+        let addr = "/ip4/10.0.0.77/udp/4170/quic-v1".to_string();
+        book.accept(
+            &advert_at(&k, 1, now, vec![addr]),
+            &k.public().to_peer_id(),
+            now,
+        )
+        .expect("newcomer");
+        assert!(book.latest(&k.public().to_peer_id(), now).is_some());
     }
 }

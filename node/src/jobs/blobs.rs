@@ -19,6 +19,8 @@ struct Index {
     entries: HashMap<BlobHash, Entry>,
     total: u64,
     clock: u64,
+    /// Bytes promised to uploads in progress (see [`BlobCache::pin_and_reserve`]).
+    reserved: u64,
 }
 
 /// Content-addressed files under one directory.
@@ -52,6 +54,7 @@ impl BlobCache {
             entries: HashMap::new(),
             total: 0,
             clock: 0,
+            reserved: 0,
         };
         for entry in std::fs::read_dir(dir)?.flatten() {
             let name = entry.file_name().to_string_lossy().into_owned();
@@ -115,6 +118,54 @@ impl BlobCache {
             }
         }
         missing
+    }
+
+    /// Like [`BlobCache::pin_and_find_missing`], and also reserves room for the missing
+    /// blobs: uploads in progress and pinned blobs together never exceed the cache's
+    /// bound (unpinned blobs are evicted to make room as uploads land). When they would,
+    /// nothing is pinned or reserved and the error is the room there is now. Release
+    /// the reservation with [`BlobCache::release`] when the exchange ends.
+    pub fn pin_and_reserve(&self, wanted: &[BlobRef]) -> Result<Vec<BlobRef>, u64> {
+        {
+            let idx = self.lock();
+            let mut seen = Vec::new();
+            let missing: u64 = wanted
+                .iter()
+                .filter(|b| {
+                    let cached = idx.entries.get(&b.hash).is_some_and(|e| e.size == b.size);
+                    let first = !seen.contains(*b);
+                    seen.push(**b);
+                    !cached && first
+                })
+                .map(|b| b.size)
+                .fold(0u64, u64::saturating_add);
+            let pinned: u64 = idx
+                .entries
+                .values()
+                .filter(|e| e.pins > 0)
+                .map(|e| e.size)
+                .sum();
+            let room = self
+                .max_bytes
+                .saturating_sub(pinned)
+                .saturating_sub(idx.reserved);
+            if missing > room {
+                return Err(room);
+            }
+        }
+        let missing = self.pin_and_find_missing(wanted);
+        let bytes = missing
+            .iter()
+            .map(|b| b.size)
+            .fold(0u64, u64::saturating_add);
+        self.lock().reserved += bytes;
+        Ok(missing)
+    }
+
+    /// Gives back room reserved by [`BlobCache::pin_and_reserve`].
+    pub fn release(&self, bytes: u64) {
+        let mut idx = self.lock();
+        idx.reserved = idx.reserved.saturating_sub(bytes);
     }
 
     /// A fresh temporary file to receive a blob into.
@@ -213,6 +264,32 @@ mod tests {
         let d = put(&cache, &[4; 100]);
         assert!(cache.path(&a.hash).exists() && cache.path(&c.hash).exists());
         assert!(cache.path(&d.hash).exists());
+
+        // Room is reserved for uploads: pinned blobs and uploads in progress never
+        // exceed the bound together.
+        cache.unpin(&[a, c, d]);
+        cache.unpin(&[a, c, d]);
+        cache.unpin(&[d]);
+        let big = BlobRef {
+            hash: [9; 32],
+            size: 200,
+        };
+        let missing = cache.pin_and_reserve(&[a, big]).expect("room for 200");
+        assert_eq!(missing, vec![big]);
+        let other = BlobRef {
+            hash: [8; 32],
+            size: 100,
+        };
+        assert_eq!(
+            cache.pin_and_reserve(&[other]),
+            Err(0),
+            "a is pinned, 200 reserved"
+        );
+        cache.unpin(&[a, big]);
+        cache.release(200);
+        assert_eq!(cache.pin_and_reserve(&[other]), Ok(vec![other]));
+        cache.release(100);
+        cache.unpin(&[other]);
 
         // A reopened cache knows what is on disk and drops partial files.
         std::fs::write(cache.temp_path(), b"half").unwrap();

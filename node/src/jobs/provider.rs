@@ -154,7 +154,22 @@ impl JobService {
             }
         };
         let wanted = submit.blobs();
-        let missing = self.blobs.pin_and_find_missing(&wanted);
+        // Uploads in progress count against the cache's bound with the pinned blobs.
+        let missing = match self.blobs.pin_and_reserve(&wanted) {
+            Ok(m) => m,
+            Err(room) => {
+                let rej = reject(
+                    JobRefusal::TooLarge,
+                    format!(
+                        "this provider's blob cache has room for {room} more bytes now (other jobs' files are in use); try again later"
+                    ),
+                );
+                self.node.metrics().job_rejected(rej.code.label());
+                let _ = wire::write_message(&mut w, &ProviderMsg::Rejected(rej)).await;
+                let _ = w.close().await;
+                return;
+            }
+        };
         let sent: u64 = missing.iter().map(|b| b.size).sum();
         let metrics = self.node.metrics();
         metrics.job_bytes_received.inc_by(sent);
@@ -176,6 +191,7 @@ impl JobService {
             ))
         });
         self.blobs.unpin(&wanted);
+        self.blobs.release(sent);
         if let Err(e) = result {
             tracing::info!(%peer, lease = %submit.lease_id, "job ended early: {e}");
         }

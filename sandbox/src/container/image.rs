@@ -43,6 +43,12 @@ pub enum ImageError {
     /// The image would write outside its directory or through a symlink; it was refused.
     #[error("the image was refused because it is unsafe to unpack: {0}")]
     Unsafe(String),
+    /// Every cached image was used recently; no room for another now.
+    #[error("this provider holds {0} unpacked images, all in recent use; try again later")]
+    CacheFull(usize),
+    /// The archive holds more entries than an image may.
+    #[error("the image has more than {MAX_IMAGE_ENTRIES} archive entries; it was refused")]
+    TooManyEntries,
     /// The unpacked files would exceed the configured size cap.
     #[error("the image unpacks to more than {limit} bytes of files; raise the unpack limit or use a smaller image")]
     TooLarge {
@@ -75,11 +81,21 @@ pub struct ImageConfig {
     pub working_dir: String,
 }
 
-/// Unpacked images under one directory, one per archive digest.
+/// Unpacked images under one directory, one per archive digest; at most
+/// [`MAX_CACHED_IMAGES`], the least recently used evicted once no job can still be
+/// using it.
 pub struct ImageCache {
     dir: PathBuf,
     max_bytes: u64,
+    max_images: usize,
 }
+
+/// Most images kept unpacked.
+pub const MAX_CACHED_IMAGES: usize = 32;
+/// An image not used for this long may be evicted: no job outlives its lease, and no
+/// lease lasts longer (24 h by default, renewals included) plus a margin.
+pub const IMAGE_IDLE_BEFORE_EVICTION: std::time::Duration =
+    std::time::Duration::from_secs(25 * 3600);
 
 impl ImageCache {
     /// `dir` is created if missing. `max_unpacked_bytes` caps the total size of regular
@@ -89,7 +105,42 @@ impl ImageCache {
         Ok(ImageCache {
             dir: dir.to_path_buf(),
             max_bytes: max_unpacked_bytes,
+            max_images: MAX_CACHED_IMAGES,
         })
+    }
+
+    /// Makes room for one more image: evicts the least recently used images idle for
+    /// [`IMAGE_IDLE_BEFORE_EVICTION`] while the cache is full; refuses when none is.
+    fn make_room(&self) -> Result<(), ImageError> {
+        let mut images: Vec<(std::time::SystemTime, PathBuf)> = fs::read_dir(&self.dir)
+            .ctx(|| format!("reading {}", self.dir.display()))?
+            .flatten()
+            .filter(|e| !e.file_name().to_string_lossy().starts_with('.'))
+            .map(|e| {
+                let used = fs::metadata(e.path().join("config.json"))
+                    .and_then(|m| m.modified())
+                    .unwrap_or(std::time::UNIX_EPOCH);
+                (used, e.path())
+            })
+            .collect();
+        images.sort();
+        let now = std::time::SystemTime::now();
+        let mut count = images.len();
+        for (used, path) in images {
+            if count < self.max_images {
+                break;
+            }
+            let idle = now.duration_since(used).unwrap_or_default();
+            if idle < IMAGE_IDLE_BEFORE_EVICTION {
+                break;
+            }
+            fs::remove_dir_all(&path).ctx(|| format!("evicting {}", path.display()))?;
+            count -= 1;
+        }
+        if count >= self.max_images {
+            return Err(ImageError::CacheFull(self.max_images));
+        }
+        Ok(())
     }
 
     /// The root filesystem of the archive at `archive`, whose content digest (any
@@ -111,8 +162,16 @@ impl ImageCache {
         }
         let target = self.dir.join(digest);
         if let Some(config) = read_cached(&target)? {
+            // Marks it used now (what eviction goes by).
+            if let Ok(f) = fs::File::options()
+                .write(true)
+                .open(target.join("config.json"))
+            {
+                let _ = f.set_modified(std::time::SystemTime::now());
+            }
             return Ok((target.join("rootfs"), config));
         }
+        self.make_room()?;
         let tmp = TempDir::create(&self.dir, &format!(".{digest}.tmp"))?;
         let rootfs = tmp.0.join("rootfs");
         fs::create_dir(&rootfs).ctx(|| format!("creating {}", rootfs.display()))?;
@@ -165,6 +224,16 @@ pub fn unpack_archive(
     dest: &Path,
     max_unpacked_bytes: u64,
 ) -> Result<ImageConfig, ImageError> {
+    unpack_archive_limited(archive, dest, max_unpacked_bytes, MAX_IMAGE_ENTRIES)
+}
+
+/// [`unpack_archive`] with at most `max_entries` archive entries read.
+fn unpack_archive_limited(
+    archive: &Path,
+    dest: &Path,
+    max_unpacked_bytes: u64,
+    max_entries: u64,
+) -> Result<ImageConfig, ImageError> {
     let size = fs::metadata(archive)
         .ctx(|| format!("reading {}", archive.display()))?
         .len();
@@ -188,6 +257,7 @@ pub fn unpack_archive(
     let mut outer_budget = Budget {
         left: max_unpacked_bytes.saturating_add(size),
         limit: max_unpacked_bytes.saturating_add(size),
+        entries_left: max_entries,
     };
     extract(reader.inner, &outer.0, &mut outer_budget, false, &not_tar)?;
     let outer_root = outer
@@ -199,6 +269,7 @@ pub fn unpack_archive(
     let mut budget = Budget {
         left: max_unpacked_bytes,
         limit: max_unpacked_bytes,
+        entries_left: outer_budget.entries_left,
     };
     for (label, path) in &layers {
         let bad = |reason: String| ImageError::Layer {
@@ -385,7 +456,14 @@ fn open_maybe_gzip(path: &Path) -> io::Result<Sniffed> {
 struct Budget {
     left: u64,
     limit: u64,
+    /// Archive entries still allowed (every pass over every archive counts).
+    entries_left: u64,
 }
+
+/// Most archive entries read for one image, all passes over the outer archive and its
+/// layers together: a million empty files would exhaust inodes and time long before
+/// they filled any byte budget.
+pub const MAX_IMAGE_ENTRIES: u64 = 1_000_000;
 
 /// Reads the tar in `reader` into `root`. With `whiteouts`, only applies whiteout and
 /// opaque markers to what is already there; without, writes every other entry.
@@ -398,6 +476,10 @@ fn extract(
 ) -> Result<(), ImageError> {
     let mut archive = tar::Archive::new(reader);
     for entry in archive.entries().map_err(|e| bad(e.to_string()))? {
+        budget.entries_left = budget
+            .entries_left
+            .checked_sub(1)
+            .ok_or(ImageError::TooManyEntries)?;
         let mut entry = entry.map_err(|e| bad(e.to_string()))?;
         let Some(rel) = normalise(&entry.path().map_err(|e| bad(e.to_string()))?)? else {
             continue;
@@ -996,6 +1078,52 @@ mod tests {
             );
         }
         assert!(!tmp.path().join("x").exists());
+    }
+
+    #[test]
+    fn the_cache_keeps_a_bounded_number_of_images_evicting_idle_ones() {
+        let tmp = tempfile::tempdir().unwrap();
+        let archive = tmp.path().join("img.tar");
+        docker_archive(&archive, &[tar_of(&[E::File("a", b"a", 0o644)])]);
+        let dir = tmp.path().join("cache");
+        let mut cache = ImageCache::new(&dir, 1 << 20).unwrap();
+        cache.max_images = 2;
+        cache.rootfs(&archive, "one").unwrap();
+        cache.rootfs(&archive, "two").unwrap();
+        // Both in recent use: a third is refused, nothing is evicted.
+        let err = cache.rootfs(&archive, "three").unwrap_err();
+        assert!(matches!(err, ImageError::CacheFull(2)), "{err}");
+        assert!(dir.join("one").exists() && dir.join("two").exists());
+        // "one" was last used two days ago: it makes room.
+        let old = std::time::SystemTime::now() - std::time::Duration::from_secs(2 * 86_400);
+        fs::File::options()
+            .write(true)
+            .open(dir.join("one/config.json"))
+            .unwrap()
+            .set_modified(old)
+            .unwrap();
+        cache.rootfs(&archive, "three").unwrap();
+        assert!(!dir.join("one").exists());
+        assert!(dir.join("two").exists() && dir.join("three").exists());
+        // Reuse refreshes an image: "two" stays while it is used.
+        cache.rootfs(&archive, "two").unwrap();
+    }
+
+    #[test]
+    fn images_with_too_many_entries_are_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let archive = tmp.path().join("img.tar");
+        let names: Vec<String> = (0..50).map(|i| format!("f{i}")).collect();
+        let entries: Vec<E> = names.iter().map(|n| E::File(n, b"", 0o644)).collect();
+        docker_archive(&archive, &[tar_of(&entries)]);
+        let dest = tmp.path().join("few");
+        fs::create_dir(&dest).unwrap();
+        let err = unpack_archive_limited(&archive, &dest, 1 << 20, 40).unwrap_err();
+        assert!(matches!(err, ImageError::TooManyEntries), "{err}");
+        let dest = tmp.path().join("enough");
+        fs::create_dir(&dest).unwrap();
+        unpack_archive_limited(&archive, &dest, 1 << 20, 1000).unwrap();
+        assert!(dest.join("f49").exists());
     }
 
     #[test]

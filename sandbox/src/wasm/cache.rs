@@ -22,9 +22,13 @@ pub enum CacheSource {
 pub(crate) struct ModuleCache {
     dir: PathBuf,
     memory: Mutex<HashMap<String, Module>>,
+    max_on_disk: usize,
 }
 
 const MAX_IN_MEMORY: usize = 64;
+/// Most compiled modules kept on disk; the least recently written go first (peers send
+/// modules, so the directory must not grow with them).
+const MAX_ON_DISK: usize = 256;
 
 impl ModuleCache {
     pub(crate) fn new(dir: &Path) -> std::io::Result<ModuleCache> {
@@ -32,7 +36,34 @@ impl ModuleCache {
         Ok(ModuleCache {
             dir: dir.to_path_buf(),
             memory: Mutex::new(HashMap::new()),
+            max_on_disk: MAX_ON_DISK,
         })
+    }
+
+    /// Removes the oldest compiled modules beyond the disk limit.
+    fn prune_disk(&self) {
+        let Ok(entries) = std::fs::read_dir(&self.dir) else {
+            return;
+        };
+        let mut files: Vec<(std::time::SystemTime, PathBuf)> = entries
+            .flatten()
+            .filter(|e| e.path().extension().is_some_and(|x| x == "cwasm"))
+            .map(|e| {
+                let at = e
+                    .metadata()
+                    .and_then(|m| m.modified())
+                    .unwrap_or(std::time::UNIX_EPOCH);
+                (at, e.path())
+            })
+            .collect();
+        if files.len() <= self.max_on_disk {
+            return;
+        }
+        files.sort();
+        let excess = files.len() - self.max_on_disk;
+        for (_, path) in files.into_iter().take(excess) {
+            let _ = std::fs::remove_file(path);
+        }
     }
 
     /// Returns the module for `key`, compiling `bytes` with `engine` if needed.
@@ -67,6 +98,7 @@ impl ModuleCache {
                     let tmp = path.with_extension("tmp");
                     if std::fs::write(&tmp, serialized).is_ok() {
                         let _ = std::fs::rename(&tmp, &path);
+                        self.prune_disk();
                     }
                 }
                 m
@@ -89,4 +121,32 @@ fn load(engine: &Engine, path: &Path) -> wasmtime::Result<Module> {
     // version header and refuses mismatched artifacts. Nothing received from a peer is
     // ever deserialized here.
     unsafe { Module::deserialize_file(engine, path) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_disk_cache_keeps_a_bounded_number_of_modules() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let mut cache = ModuleCache::new(dir.path()).expect("cache");
+        cache.max_on_disk = 2;
+        let engine = Engine::default();
+        for i in 0..5 {
+            let wat = format!("(module (func (export \"f{i}\")))");
+            cache
+                .get_or_compile(&engine, &format!("m{i}"), wat.as_bytes())
+                .expect("compile");
+            // Distinct modification times, oldest first.
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        let mut left: Vec<String> = std::fs::read_dir(dir.path())
+            .expect("dir")
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        assert_eq!(left, vec!["m3.cwasm", "m4.cwasm"]);
+    }
 }
