@@ -568,14 +568,14 @@ pub fn check_offer(
             return bad("offer's start differs from the reservation's".to_string());
         }
     } else if terms.start_ms > now + MAX_CLOCK_SKEW_MS
-        || terms.start_ms + MAX_CLOCK_SKEW_MS < req.sent_at_ms
+        || terms.start_ms.saturating_add(MAX_CLOCK_SKEW_MS) < req.sent_at_ms
     {
         return Err(Rejection::new(
             RejectCode::ClockSkew,
             "the provider's clock differs from ours by more than the tolerated skew",
         ));
     }
-    if terms.offer_expires_ms + MAX_CLOCK_SKEW_MS < now {
+    if terms.offer_expires_ms.saturating_add(MAX_CLOCK_SKEW_MS) < now {
         return Err(Rejection::new(
             RejectCode::OfferExpired,
             "the offer arrived after its window",

@@ -183,8 +183,9 @@ pub struct BadEntry {
 }
 
 /// Checks a chain read in order from `entries` (raw key and value): sequence, hash
-/// links, both signatures of every receipt, that this node is a party to each, then the
-/// head and the stored per-peer accounts against the entries.
+/// links, both signatures of every receipt, that this node is a party to each, that no
+/// lease is counted twice and every amount follows from its billed time and price, then
+/// the head and the stored per-peer accounts against the entries.
 ///
 /// The calling thread only reads; blocks of entries are decoded, hashed and their
 /// signatures batch-verified on all cores while the next block is read.
@@ -268,6 +269,7 @@ fn check_blocks(
     let mut prev: Digest = [0; 32];
     let mut expected_seq = 1u64;
     let mut bad: Option<BadEntry> = None;
+    let mut seen_leases: HashMap<gpunode_protocol::lease::LeaseId, u64> = HashMap::new();
     'blocks: for block in blocks {
         let (decoded, bad_signature) = decode_and_verify(block);
         report.signatures += 2 * decoded.iter().filter(|d| d.entry.is_ok()).count() as u64;
@@ -306,6 +308,25 @@ fn check_blocks(
             let rec = &entry.receipt.receipt;
             if rec.provider != *local && rec.requester != *local {
                 bad = Some(fail("this node is not a party to its receipt".into()));
+                break 'blocks;
+            }
+            if let Some(first) = seen_leases.insert(rec.lease_id, entry.seq) {
+                bad = Some(fail(format!(
+                    "lease {} is counted twice (also in entry {first})",
+                    rec.lease_id
+                )));
+                break 'blocks;
+            }
+            let due = gpunode_protocol::receipt::amount_for(
+                rec.price_per_gpu_hour_millicredits,
+                rec.gpus,
+                rec.billed_ms,
+            );
+            if rec.amount_millicredits != due {
+                bad = Some(fail(format!(
+                    "its amount {} does not follow from its billed time and price ({due})",
+                    rec.amount_millicredits
+                )));
                 break 'blocks;
             }
             prev = d.hash;

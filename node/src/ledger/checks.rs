@@ -91,8 +91,8 @@ pub fn check_claim_with(
             "the receipt's resources or price differ from the lease's",
         ));
     }
-    if r.start_ms + MAX_CLOCK_SKEW_MS < t.start_ms
-        || r.end_ms > t.end_ms + MAX_CLOCK_SKEW_MS
+    if r.start_ms.saturating_add(MAX_CLOCK_SKEW_MS) < t.start_ms
+        || r.end_ms > t.end_ms.saturating_add(MAX_CLOCK_SKEW_MS)
         || r.end_ms < r.start_ms
     {
         return Err(refuse(

@@ -305,3 +305,19 @@ fn other_outputs_and_altered_terms_are_refused() {
     r.version = 9;
     assert_eq!(check(&s, r), Err(Code::Invalid));
 }
+
+#[test]
+fn times_at_the_edge_of_u64_are_refused_not_overflowed() {
+    let s = setup();
+    for (start, end) in [
+        (u64::MAX - 5, u64::MAX),
+        (u64::MAX, u64::MAX),
+        (0, u64::MAX),
+    ] {
+        let mut r = honest(&s);
+        r.start_ms = start;
+        r.end_ms = end;
+        r.billed_ms = end - start;
+        assert!(check(&s, r).is_err(), "{start} {end}");
+    }
+}

@@ -156,6 +156,31 @@ async fn verify_names_the_first_bad_entry() {
     // The edit breaks entry 4's signatures and entry 5's link; the first is named.
     assert_eq!(bad.seq, 4, "{bad:?}");
 
+    // A lease counted twice, both receipts properly signed (a writer's bug or a
+    // tampered store with the keys at hand): named at its second entry.
+    let (store, ledger, _s) = fresh().await;
+    let (me2, a2) = (me.clone(), a.clone());
+    tamper(&store, 4, move |e| {
+        e.receipt.receipt.lease_id = LeaseId([2; 16]);
+        e.receipt.provider_sig = e.receipt.receipt.sign(&me2).expect("sign");
+        e.receipt.requester_sig = e.receipt.receipt.sign(&a2).expect("sign");
+    });
+    let bad = ledger.verify().expect("verify").first_bad.expect("caught");
+    assert_eq!(bad.seq, 4, "{bad:?}");
+    assert!(bad.reason.contains("counted twice"), "{}", bad.reason);
+
+    // An amount that does not follow from its usage, signed by both.
+    let (store, ledger, _s) = fresh().await;
+    let (me2, a2) = (me.clone(), a.clone());
+    tamper(&store, 5, move |e| {
+        e.receipt.receipt.amount_millicredits += 1;
+        e.receipt.provider_sig = e.receipt.receipt.sign(&me2).expect("sign");
+        e.receipt.requester_sig = e.receipt.receipt.sign(&a2).expect("sign");
+    });
+    let bad = ledger.verify().expect("verify").first_bad.expect("caught");
+    assert_eq!(bad.seq, 5, "{bad:?}");
+    assert!(bad.reason.contains("does not follow"), "{}", bad.reason);
+
     let (store, ledger, _s) = fresh().await;
     tamper(&store, 3, |e| e.receipt.requester_sig[0] ^= 1);
     let bad = ledger.verify().expect("verify").first_bad.expect("caught");

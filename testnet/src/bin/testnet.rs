@@ -83,6 +83,29 @@ enum Bench {
         #[arg(long, default_value_t = 2_000)]
         lease_ms: u64,
     },
+    /// An honest job's time while one peer floods the provider with idle job streams
+    /// and connection attempts, next to the quiet figure.
+    Flood {
+        /// Jobs timed each way.
+        #[arg(long, default_value_t = 20)]
+        runs: usize,
+        /// Idle job streams the attacker holds.
+        #[arg(long, default_value_t = 5000)]
+        streams: usize,
+        /// Connection attempts per second.
+        #[arg(long, default_value_t = 500)]
+        attempts_per_s: u32,
+    },
+    /// A provider's memory and disk over many refused lease requests from fresh
+    /// identities.
+    Sybil {
+        /// Requests, each refused.
+        #[arg(long, default_value_t = 100_000)]
+        requests: usize,
+        /// Requests per identity before a new one is made.
+        #[arg(long, default_value_t = 100)]
+        per_identity: usize,
+    },
     /// Whole `gpunode run` of a trivial task on a warm 3-node network, CLI included.
     Dispatch {
         /// Runs to time (each way: provider lookup, and --peer).
@@ -298,6 +321,37 @@ fn main() -> Result<()> {
                 seconds,
                 lease_ms,
             ))?;
+            println!("{}", serde_json::to_string(&report)?);
+            Ok(())
+        }
+        Cmd::Bench {
+            which:
+                Bench::Flood {
+                    runs,
+                    streams,
+                    attempts_per_s,
+                },
+        } => {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()?;
+            let report =
+                rt.block_on(testnet::bench_hostile::flood(runs, streams, attempts_per_s))?;
+            println!("{}", serde_json::to_string(&report)?);
+            Ok(())
+        }
+        Cmd::Bench {
+            which:
+                Bench::Sybil {
+                    requests,
+                    per_identity,
+                },
+        } => {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()?;
+            let report =
+                rt.block_on(testnet::bench_hostile::sybil(requests, per_identity.max(1)))?;
             println!("{}", serde_json::to_string(&report)?);
             Ok(())
         }
