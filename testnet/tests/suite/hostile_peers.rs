@@ -331,6 +331,43 @@ mod attacks {
         net.shutdown().await;
     }
 
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn holding_a_gpu_without_running_anything_is_billed() {
+        // A credit a second, so that two seconds show in whole millicredits.
+        let mut config = TestNetConfig::new(vec![Some("1xT4-16GB".into())]);
+        config.tweak = Some(|_, c: &mut NodeConfig| c.price_per_gpu_hour = 3600.0);
+        let net = TestNet::start(config).await.expect("start");
+        let provider = net.nodes[0].handle.peer_id().to_string();
+        let mut client = net.client().await.expect("client");
+        // A hoarder leases the GPU, runs nothing, and lets go after two seconds.
+        let mut spec = bare_lease(&provider, 60_000);
+        spec.gpus = 1;
+        let lease = client.handle.request_lease(spec).await.expect("lease");
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        client
+            .handle
+            .cancel_lease(&lease.lease_id)
+            .await
+            .expect("cancel");
+        // Both sides settle a receipt for the time it held the GPU, not zero.
+        let ledger = &net.nodes[0].handle.accounts().ledger;
+        let mut entry = None;
+        eventually("the receipt settles", || {
+            entry = ledger.recent(1).expect("ledger").into_iter().next();
+            entry.is_some()
+        })
+        .await;
+        let entry = entry.expect("entry");
+        assert_eq!(entry.jobs, 0);
+        assert!(
+            entry.billed_seconds >= 2.0 && entry.billed_seconds < 60.0,
+            "{entry:?}"
+        );
+        assert!(entry.amount >= 2.0, "holding is not free: {entry:?}");
+        client.shutdown().await;
+        net.shutdown().await;
+    }
+
     fn overcharge_first(i: usize) -> Misbehaviour {
         match i {
             0 => Misbehaviour {
