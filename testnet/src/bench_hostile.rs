@@ -6,13 +6,15 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use futures::StreamExt;
-use gpunode_node::LeaseSpec;
+use std::path::Path;
+
+use gpunode_node::{DataDir, LeaseSpec, Node, NodeConfig, NodeOptions, Role};
 use libp2p::swarm::dial_opts::{DialOpts, PeerCondition};
 use libp2p::swarm::SwarmEvent;
 use libp2p::{Multiaddr, PeerId};
 use serde::Serialize;
 
-use crate::bench::{percentile, rss_bytes};
+use crate::bench::percentile;
 use crate::jobs::{request, run_to_end, task};
 use crate::{TestNet, TestNetConfig};
 
@@ -186,67 +188,97 @@ async fn connection_flood(
 /// A provider's memory and disk over many refused requests from fresh identities.
 #[derive(Debug, Serialize)]
 pub struct SybilReport {
-    /// Requests sent, each from a new identity, each refused.
+    /// Requests sent, each from a new identity every `per_identity`, each refused.
     pub requests: usize,
-    /// Resident memory of the process after the first tenth of them, bytes.
+    /// Requests per identity.
+    pub per_identity: usize,
+    /// The provider process's resident memory after the first tenth, bytes.
     pub rss_after_warmup: u64,
-    /// Resident memory at the end, bytes.
+    /// Its resident memory at the end, bytes.
     pub rss_at_end: u64,
     /// End over warm-up.
     pub rss_ratio: f64,
-    /// The provider's store on disk after the warm-up and at the end, bytes.
+    /// Its store on disk after the warm-up, bytes.
     pub disk_after_warmup: u64,
     /// The same at the end.
     pub disk_at_end: u64,
     /// End over warm-up.
     pub disk_ratio: f64,
+    /// Requests per second the provider refused.
+    pub refused_per_s: f64,
 }
 
-/// Sends `requests` lease requests to one provider, each from a fresh identity and each
-/// refused (they ask for more GPUs than it has), batched over a few requester nodes that
-/// restart with a new identity every `per_identity` requests.
-pub async fn sybil(requests: usize, per_identity: usize) -> Result<SybilReport> {
-    let net = TestNet::start(TestNetConfig::new(vec![Some("1xT4-16GB".into())])).await?;
-    let provider = net.nodes[0].handle.peer_id().to_string();
-    let store_dir = net.nodes[0].data_dir().store_dir();
+/// Sends `requests` lease requests to a `gpunode serve` process, from a fresh identity
+/// every `per_identity` requests, each refused (8 GPUs asked of a 1-GPU provider), and
+/// reads the provider's memory and store size after a tenth of them and at the end.
+pub async fn sybil(binary: &Path, requests: usize, per_identity: usize) -> Result<SybilReport> {
+    let work = tempfile::tempdir()?;
+    let provider = crate::process::ServeProcess::start(
+        binary,
+        &work.path().join("provider"),
+        &["--simulate-gpus".into(), "1xT4-16GB".into()],
+    )?;
+    let store_dir = provider.data_dir.join("store");
+    let started = Instant::now();
     let mut sent = 0usize;
     let mut warm: Option<(u64, u64)> = None;
+    let mut identity = 0usize;
     while sent < requests {
-        // A new identity: a fresh requester node.
-        let mut client = net.client().await?;
+        // A new identity: a fresh requester node with a data dir of its own.
+        identity += 1;
+        let dir = work.path().join(format!("sybil-{identity}"));
+        let config = NodeConfig {
+            mdns: false,
+            bootstrap: vec![provider.addr.parse()?],
+            ..NodeConfig::default()
+        };
+        let mut opts = NodeOptions::new(config, DataDir::new(&dir), Role::Client);
+        opts.serve_api = false;
+        let node = Node::start(opts).await?;
+        let handle = node.handle();
         for _ in 0..per_identity.min(requests - sent) {
             let spec = LeaseSpec {
-                peer: Some(provider.clone()),
                 gpus: 8,
-                cpus: 1,
-                mem_bytes: 1 << 20,
-                duration_ms: 60_000,
-                ..crate::ledger::bare_lease(&provider, 60_000)
+                ..crate::ledger::bare_lease(&provider.peer_id, 60_000)
             };
-            let refused = client.handle.request_lease(spec).await.is_err();
-            anyhow::ensure!(
-                refused,
-                "a request for 8 GPUs from a 1-GPU provider was granted"
-            );
+            let refused = handle.request_lease(spec).await.is_err();
+            anyhow::ensure!(refused, "8 GPUs of a 1-GPU provider were granted");
             sent += 1;
         }
-        client.shutdown().await;
+        node.shutdown().await;
+        let _ = std::fs::remove_dir_all(&dir);
         if warm.is_none() && sent >= requests / 10 {
-            warm = Some((rss_bytes(), dir_bytes(&store_dir)));
+            warm = Some((process_rss(provider.pid()), dir_bytes(&store_dir)));
         }
     }
+    let secs = started.elapsed().as_secs_f64();
     let (rss_warm, disk_warm) = warm.unwrap_or((1, 1));
-    let (rss_end, disk_end) = (rss_bytes(), dir_bytes(&store_dir));
-    net.shutdown().await;
+    let (rss_end, disk_end) = (process_rss(provider.pid()), dir_bytes(&store_dir));
+    drop(provider);
     Ok(SybilReport {
         requests,
+        per_identity,
         rss_after_warmup: rss_warm,
         rss_at_end: rss_end,
         rss_ratio: rss_end as f64 / rss_warm.max(1) as f64,
         disk_after_warmup: disk_warm,
         disk_at_end: disk_end,
         disk_ratio: disk_end as f64 / disk_warm.max(1) as f64,
+        refused_per_s: requests as f64 / secs,
     })
+}
+
+/// Resident memory of process `pid`, bytes.
+fn process_rss(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb * 1024)
 }
 
 /// Bytes of the files under `dir`.

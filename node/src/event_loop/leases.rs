@@ -89,7 +89,12 @@ impl EventLoop {
             )),
             InboundLease::Invalid(r) => LeaseReply::Rejected(r),
             InboundLease::Message(LeaseMessage::Request(req)) => {
-                let id = LeaseId(rand::random());
+                let id = LeaseId(
+                    self.accounts
+                        .misbehaviour
+                        .fixed_lease_id
+                        .unwrap_or_else(rand::random),
+                );
                 // A reservation is judged by the hours it will run in.
                 let start = req.start_at_ms.filter(|at| *at > now).unwrap_or(now);
                 let hours = self

@@ -1295,9 +1295,24 @@ impl LeaseBook {
         self.leases.len()
     }
 
-    /// When the next offer window or lease end falls due, if any.
-    pub fn next_deadline(&self) -> Option<UnixMillis> {
+    /// When the next offer window, lease end or reservation start falls due, if any.
+    pub fn next_lease_deadline(&self) -> Option<UnixMillis> {
         self.deadlines.first().map(|(due, _)| *due)
+    }
+
+    /// When the book next needs a [`LeaseBook::tick`]: an offer window or lease end, a
+    /// spent nonce to forget (to the second), or the minute's pruning of ended records.
+    /// Without this, a node that holds no lease would never forget the nonces of the
+    /// requests it refused.
+    pub fn next_deadline(&self) -> Option<UnixMillis> {
+        let lease = self.next_lease_deadline();
+        let nonce = self
+            .nonce_expiry
+            .first()
+            .map(|(until, _, _)| (until / 1000 + 1) * 1000);
+        let prune =
+            (!self.leases.is_empty()).then(|| self.last_prune_ms.saturating_add(PRUNE_EVERY_MS));
+        [lease, nonce, prune].into_iter().flatten().min()
     }
 
     /// Resources committed by offered and active leases we provide: (GPUs, CPUs, RAM).

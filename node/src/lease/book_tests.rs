@@ -175,7 +175,7 @@ fn a_reservation_holds_its_gpu_only_from_its_start() {
     assert_eq!(f.book.get(&id).unwrap().state, LeaseState::Reserved);
     assert_eq!(f.book.committed_totals(), (0, 0, 0));
     // At its start it becomes active and holds the GPU.
-    assert_eq!(f.book.next_deadline(), Some(NOW + HOUR));
+    assert_eq!(f.book.next_lease_deadline(), Some(NOW + HOUR));
     f.book.tick(NOW + HOUR);
     assert_eq!(f.book.get(&id).unwrap().state, LeaseState::Active);
     assert_eq!(f.book.committed_totals().0, 1);
@@ -886,4 +886,26 @@ fn mig_slices_of_one_card_go_to_one_peer_at_a_time() {
     // Once Alice's leases end, Bob gets the card.
     book.tick(first.end_ms + 1);
     lease(&bob, 4, 4, &mut book).expect("bob after alice");
+}
+
+#[test]
+fn a_book_without_leases_still_forgets_the_nonces_it_refused() {
+    let mut f = Fixture::new();
+    assert_eq!(f.book.next_deadline(), None, "nothing to do");
+    // Refused (no such GPU), but its nonce is spent.
+    let req = f.request(1, Some("H100"), 5);
+    assert!(f.offer(&req, NOW).is_err());
+    assert_eq!(f.book.nonce_count(), 1);
+    assert_eq!(f.book.record_count(), 0);
+    let due = f
+        .book
+        .next_deadline()
+        .expect("the nonce's expiry is a deadline");
+    assert!(
+        due > NOW && due <= req.expires_at_ms + MAX_CLOCK_SKEW_MS + 1000,
+        "{due}"
+    );
+    f.book.tick(due);
+    assert_eq!(f.book.nonce_count(), 0);
+    assert_eq!(f.book.next_deadline(), None);
 }

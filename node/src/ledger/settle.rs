@@ -61,6 +61,9 @@ pub struct Misbehaviour {
     pub evil_output_name: Option<&'static str>,
     /// Charge this many times the advertised price in offers (0 or 1: honest).
     pub overcharge: u64,
+    /// Offer every lease under this id (a provider trying to overwrite the requester's
+    /// record of another lease).
+    pub fixed_lease_id: Option<[u8; 16]>,
 }
 
 /// A claim and where it stands.

@@ -350,8 +350,11 @@ fn main() -> Result<()> {
             let rt = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
                 .build()?;
-            let report =
-                rt.block_on(testnet::bench_hostile::sybil(requests, per_identity.max(1)))?;
+            let report = rt.block_on(testnet::bench_hostile::sybil(
+                &gpunode_binary()?,
+                requests,
+                per_identity.max(1),
+            ))?;
             println!("{}", serde_json::to_string(&report)?);
             Ok(())
         }

@@ -368,6 +368,187 @@ mod attacks {
         net.shutdown().await;
     }
 
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn outputs_larger_than_the_requester_accepts_are_refused_before_a_byte() {
+        let net = TestNet::start(TestNetConfig::new(vec![None]))
+            .await
+            .expect("start");
+        let mut client = net.client().await.expect("client");
+        TestNet::wait_for_offers(
+            &client.handle,
+            &gpunode_protocol::advert::OfferFilter::default(),
+            LONG,
+            |o| !o.is_empty(),
+        )
+        .await
+        .expect("offers");
+        let input = tempfile::tempdir().expect("tmp");
+        std::fs::write(input.path().join("data.bin"), vec![7u8; 4096]).expect("write");
+        let work = tempfile::tempdir().expect("tmp");
+        let mut req = request(task("copy.wat"), &work.path().join("out"));
+        req.inputs = vec![input.path().join("data.bin")];
+        req.retries = 0;
+        req.max_output_bytes = Some(1000);
+        let (_, end) = run_to_end(&client.handle, req, LONG).await.expect("run");
+        let err = end.expect_err("4096 bytes of outputs, 1000 accepted");
+        assert!(err.contains("--max-output"), "{err}");
+        assert_eq!(std::fs::read_dir(work.path()).expect("dir").count(), 0);
+        client.shutdown().await;
+        net.shutdown().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_request_that_expires_far_ahead_is_refused_and_pins_nothing() {
+        use gpunode_protocol::lease::{
+            LeaseMessage, LeaseReply, LeaseRequest, RejectCode, Requirements, LEASE_VERSION,
+        };
+        let net = TestNet::start(TestNetConfig::new(vec![Some("1xT4-16GB".into())]))
+            .await
+            .expect("start");
+        let provider = net.nodes[0].handle.peer_id();
+        let mut client = net.client().await.expect("client");
+        let key = client
+            .data_dir()
+            .load_or_create_identity()
+            .expect("the client's own key");
+        let now = gpunode_protocol::time::now_ms();
+        let req = LeaseRequest {
+            version: LEASE_VERSION,
+            requester: client.handle.peer_id(),
+            requester_key: key.public().encode_protobuf(),
+            nonce: 99,
+            requirements: Requirements {
+                gpus: 1,
+                gpu_model: None,
+                gpu_slice: None,
+                min_gpu_mem_bytes: None,
+                cpus: 1,
+                mem_bytes: 1 << 20,
+                backend: "wasm".into(),
+                kind: Default::default(),
+            },
+            duration_ms: 60_000,
+            max_price_per_gpu_hour_millicredits: None,
+            sent_at_ms: now,
+            expires_at_ms: u64::MAX,
+            ticket: None,
+            start_at_ms: None,
+        };
+        let reply = client
+            .handle
+            .send_lease(provider, Vec::new(), LeaseMessage::Request(req))
+            .await
+            .expect("sent")
+            .expect("answered");
+        match reply {
+            LeaseReply::Rejected(r) => assert_eq!(r.code, RejectCode::InvalidRequest, "{r:?}"),
+            other => panic!("expected a refusal, got {other:?}"),
+        }
+        // The provider still serves an honest lease at once.
+        let mut spec = bare_lease(&provider.to_string(), 60_000);
+        spec.gpus = 1;
+        client
+            .handle
+            .request_lease(spec)
+            .await
+            .expect("honest lease");
+        client.shutdown().await;
+        net.shutdown().await;
+    }
+
+    fn same_lease_id(_: usize) -> Misbehaviour {
+        Misbehaviour {
+            fixed_lease_id: Some([0x5a; 16]),
+            ..Misbehaviour::default()
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_provider_reusing_a_lease_id_cannot_overwrite_a_record() {
+        let mut config = TestNetConfig::new(vec![Some("1xT4-16GB".into()); 2]);
+        config.misbehaviour = Some(same_lease_id);
+        let net = TestNet::start(config).await.expect("start");
+        let (first, second) = (
+            net.nodes[0].handle.peer_id().to_string(),
+            net.nodes[1].handle.peer_id().to_string(),
+        );
+        let mut client = net.client().await.expect("client");
+        let mut spec = bare_lease(&first, 60_000);
+        spec.gpus = 1;
+        let lease = client
+            .handle
+            .request_lease(spec.clone())
+            .await
+            .expect("lease");
+        assert_eq!(lease.provider, first);
+        // The second provider offers under the same id: refused, the first record kept.
+        spec.peer = Some(second);
+        let err = client
+            .handle
+            .request_lease(spec)
+            .await
+            .expect_err("a colliding id is refused");
+        assert!(err.to_string().contains("already holds"), "{err}");
+        let kept = client.handle.list_leases().await.expect("leases");
+        assert_eq!(kept.len(), 1);
+        assert_eq!(kept[0].provider, first);
+        client.shutdown().await;
+        net.shutdown().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn one_peer_cannot_open_more_than_its_share_of_connections() {
+        use futures::StreamExt;
+        use libp2p::swarm::dial_opts::{DialOpts, PeerCondition};
+        use libp2p::swarm::SwarmEvent;
+        let net = TestNet::start(TestNetConfig::new(vec![None]))
+            .await
+            .expect("start");
+        let provider = net.nodes[0].handle.peer_id();
+        let addr: libp2p::Multiaddr = net.nodes[0].addr.parse().expect("addr");
+        // One identity dials the provider fifty times and keeps every connection.
+        let mut swarm = libp2p::SwarmBuilder::with_new_identity()
+            .with_tokio()
+            .with_quic()
+            .with_behaviour(|_| libp2p::swarm::dummy::Behaviour)
+            .expect("behaviour")
+            .with_swarm_config(|c| c.with_idle_connection_timeout(Duration::from_secs(60)))
+            .build();
+        for _ in 0..50 {
+            let opts = DialOpts::peer_id(provider)
+                .addresses(vec![addr.clone()])
+                .condition(PeerCondition::Always)
+                .build();
+            swarm.dial(opts).expect("dial");
+        }
+        let (mut up, mut failed) = (0, 0);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        while up + failed < 50 && tokio::time::Instant::now() < deadline {
+            match tokio::time::timeout(Duration::from_secs(5), swarm.select_next_some()).await {
+                Ok(SwarmEvent::ConnectionEstablished { .. }) => up += 1,
+                Ok(SwarmEvent::OutgoingConnectionError { .. }) => failed += 1,
+                Ok(SwarmEvent::ConnectionClosed { .. }) => up -= 1,
+                Ok(_) => {}
+                Err(_) => break,
+            }
+        }
+        // The provider kept at most its per-peer limit (8) of them.
+        let status = net.nodes[0].handle.status().await.expect("status");
+        assert!(up <= 8, "{up} connections stayed up");
+        // And an honest requester is served meanwhile.
+        let mut client = net.client().await.expect("client");
+        let mut spec = bare_lease(&provider.to_string(), 60_000);
+        spec.gpus = 0;
+        client
+            .handle
+            .request_lease(spec)
+            .await
+            .expect("honest lease");
+        assert!(status.connected_peers.len() <= 8);
+        client.shutdown().await;
+        net.shutdown().await;
+    }
+
     fn overcharge_first(i: usize) -> Misbehaviour {
         match i {
             0 => Misbehaviour {
