@@ -49,7 +49,12 @@ pub struct DiscoveryReport {
 
 /// Resident set size of this process in bytes.
 pub fn rss_bytes() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
+    rss_of("self")
+}
+
+/// Resident set size of process `pid` (a number, or `self`) in bytes; 0 if unknown.
+pub fn rss_of(pid: &str) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
         .ok()
         .and_then(|s| {
             s.lines()

@@ -14,7 +14,7 @@ use libp2p::swarm::SwarmEvent;
 use libp2p::{Multiaddr, PeerId};
 use serde::Serialize;
 
-use crate::bench::percentile;
+use crate::bench::{percentile, rss_of};
 use crate::jobs::{request, run_to_end, task};
 use crate::{TestNet, TestNetConfig};
 
@@ -248,12 +248,12 @@ pub async fn sybil(binary: &Path, requests: usize, per_identity: usize) -> Resul
         node.shutdown().await;
         let _ = std::fs::remove_dir_all(&dir);
         if warm.is_none() && sent >= requests / 10 {
-            warm = Some((process_rss(provider.pid()), dir_bytes(&store_dir)));
+            warm = Some((rss_of(&provider.pid().to_string()), dir_bytes(&store_dir)));
         }
     }
     let secs = started.elapsed().as_secs_f64();
     let (rss_warm, disk_warm) = warm.unwrap_or((1, 1));
-    let (rss_end, disk_end) = (process_rss(provider.pid()), dir_bytes(&store_dir));
+    let (rss_end, disk_end) = (rss_of(&provider.pid().to_string()), dir_bytes(&store_dir));
     drop(provider);
     Ok(SybilReport {
         requests,
@@ -266,19 +266,6 @@ pub async fn sybil(binary: &Path, requests: usize, per_identity: usize) -> Resul
         disk_ratio: disk_end as f64 / disk_warm.max(1) as f64,
         refused_per_s: requests as f64 / secs,
     })
-}
-
-/// Resident memory of process `pid`, bytes.
-fn process_rss(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|kb| kb.parse::<u64>().ok())
-        })
-        .map_or(0, |kb| kb * 1024)
 }
 
 /// Bytes of the files under `dir`.

@@ -216,6 +216,18 @@ mod attacks {
 
     const LONG: Duration = Duration::from_secs(120);
 
+    /// Waits until `client` sees `n` providers' offers.
+    async fn offers(client: &testnet::TestNode, n: usize) {
+        TestNet::wait_for_offers(
+            &client.handle,
+            &gpunode_protocol::advert::OfferFilter::default(),
+            LONG,
+            |o| o.len() == n,
+        )
+        .await
+        .expect("offers");
+    }
+
     async fn eventually(what: &str, mut f: impl FnMut() -> bool) {
         let deadline = tokio::time::Instant::now() + LONG;
         while !f() {
@@ -294,14 +306,7 @@ mod attacks {
         let net = TestNet::start(config).await.expect("start");
         let evil = net.nodes[0].handle.peer_id().to_string();
         let mut client = net.client().await.expect("client");
-        TestNet::wait_for_offers(
-            &client.handle,
-            &gpunode_protocol::advert::OfferFilter::default(),
-            LONG,
-            |o| o.len() == 2,
-        )
-        .await
-        .expect("offers");
+        offers(&client, 2).await;
         let input = tempfile::tempdir().expect("tmp");
         std::fs::write(input.path().join("data.bin"), b"the bytes").expect("write");
         let work = tempfile::tempdir().expect("tmp");
@@ -374,14 +379,7 @@ mod attacks {
             .await
             .expect("start");
         let mut client = net.client().await.expect("client");
-        TestNet::wait_for_offers(
-            &client.handle,
-            &gpunode_protocol::advert::OfferFilter::default(),
-            LONG,
-            |o| !o.is_empty(),
-        )
-        .await
-        .expect("offers");
+        offers(&client, 1).await;
         let input = tempfile::tempdir().expect("tmp");
         std::fs::write(input.path().join("data.bin"), vec![7u8; 4096]).expect("write");
         let work = tempfile::tempdir().expect("tmp");
@@ -572,14 +570,7 @@ mod attacks {
         let liar = net.nodes[0].handle.peer_id().to_string();
         let honest = net.nodes[1].handle.peer_id().to_string();
         let mut client = net.client().await.expect("client");
-        TestNet::wait_for_offers(
-            &client.handle,
-            &gpunode_protocol::advert::OfferFilter::default(),
-            LONG,
-            |o| o.len() == 2,
-        )
-        .await
-        .expect("offers");
+        offers(&client, 2).await;
         // No --max-price: the advertised price is the most a lease may cost.
         let mut spec = bare_lease(&liar, 60_000);
         spec.gpus = 1;
