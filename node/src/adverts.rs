@@ -105,6 +105,16 @@ impl AdvertBook {
         }
     }
 
+    /// Adverts remembered.
+    pub fn len(&self) -> usize {
+        self.latest.len()
+    }
+
+    /// Whether none is remembered.
+    pub fn is_empty(&self) -> bool {
+        self.latest.is_empty()
+    }
+
     /// The newest valid advert seen from `publisher`, if it has not expired.
     pub fn latest(&self, publisher: &PeerId, now: UnixMillis) -> Option<&Advert> {
         self.latest.get(publisher).filter(|a| a.expires_at_ms > now)

@@ -54,6 +54,9 @@ pub struct Metrics {
     pub streams_refused: Family<Vec<(String, String)>, Counter>,
     /// Inbound connections refused by the per-IP limit.
     pub connections_refused: Counter,
+    /// Size of each bounded structure fed by peers (`lease_records`, `spent_nonces`,
+    /// `adverts`, `reputation_records`, `refused_receipts`), to watch against its bound.
+    pub peer_state: Family<Vec<(String, String)>, Gauge>,
 }
 
 impl Metrics {
@@ -170,8 +173,15 @@ impl Metrics {
             "Inbound connections refused by the per-IP limit",
             connections_refused.clone(),
         );
+        let peer_state = Family::<Vec<(String, String)>, Gauge>::default();
+        registry.register(
+            "peer_state",
+            "Entries of each bounded structure fed by peers",
+            peer_state.clone(),
+        );
         let gpus = GpuGauges::register(&mut registry);
         Arc::new(Metrics {
+            peer_state,
             streams_refused,
             connections_refused,
             gpus,
@@ -201,6 +211,13 @@ impl Metrics {
         self.adverts_rejected
             .get_or_create(&vec![("reason".to_string(), reason.to_string())])
             .inc();
+    }
+
+    /// Sets the size of the bounded structure `name`.
+    pub fn set_peer_state(&self, name: &str, entries: usize) {
+        self.peer_state
+            .get_or_create(&vec![("structure".to_string(), name.to_string())])
+            .set(i64::try_from(entries).unwrap_or(i64::MAX));
     }
 
     /// Counts an inbound stream of `protocol` dropped for `reason`.

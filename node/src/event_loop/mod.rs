@@ -496,6 +496,12 @@ impl EventLoop {
         }
         let size = self.routing_table_size();
         self.metrics.routing_table_peers.set(size as i64);
+        let m = &self.metrics;
+        m.set_peer_state("lease_records", self.leases.record_count());
+        m.set_peer_state("spent_nonces", self.leases.nonce_count());
+        m.set_peer_state("adverts", self.book.len());
+        m.set_peer_state("reputation_records", self.accounts.reputation.len());
+        m.set_peer_state("refused_receipts", self.accounts.refused_count());
     }
 
     /// Signs a new advert if needed, stores it in the DHT and provides its capability keys.

@@ -214,6 +214,16 @@ impl Reputation {
         self.lock().get(peer).map_or(NEUTRAL, |r| r.score(now_ms()))
     }
 
+    /// Peers with a record.
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    /// Whether no peer has a record.
+    pub fn is_empty(&self) -> bool {
+        self.lock().is_empty()
+    }
+
     /// Every peer's record.
     pub fn all(&self) -> HashMap<PeerId, PeerRecord> {
         self.lock().clone()

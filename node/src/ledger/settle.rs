@@ -251,6 +251,15 @@ impl Accounts {
         self.claims().owed.get(peer).copied().unwrap_or(0)
     }
 
+    /// Refused receipts whose reasons are kept (bounded).
+    pub fn refused_count(&self) -> usize {
+        self.refused
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .why
+            .len()
+    }
+
     /// Unsettled claims: (pending, disputed).
     pub fn claim_counts(&self) -> (usize, usize) {
         let claims = self.claims();

@@ -450,6 +450,20 @@ mod attacks {
             .request_lease(spec)
             .await
             .expect("honest lease");
+        // What peers fill is visible against its bound: the honest lease's record and
+        // nonce, nothing of the refused request.
+        let metrics = net.nodes[0].handle.metrics().clone();
+        let gauge = |name: &str| -> Option<i64> {
+            let text = metrics.encode();
+            let key = format!("gpunode_peer_state{{structure=\"{name}\"}} ");
+            text.lines()
+                .find_map(|l| l.strip_prefix(key.as_str()))
+                .and_then(|v| v.trim().parse().ok())
+        };
+        eventually("the peer-state gauges", || {
+            gauge("lease_records") == Some(1) && gauge("spent_nonces") == Some(1)
+        })
+        .await;
         client.shutdown().await;
         net.shutdown().await;
     }
