@@ -92,6 +92,25 @@ pub struct TestNode {
     /// An address it listens on, with `/p2p/PEER_ID`.
     pub addr: String,
     dir: TempDir,
+    _job_root: JobRootCleanup,
+}
+
+/// Removes a node's job root under `/var/lib/gpunode` (where a root provider of
+/// container jobs keeps them) when the test node goes, so test runs leave nothing there.
+struct JobRootCleanup(std::path::PathBuf);
+
+impl JobRootCleanup {
+    fn of(dir: &TempDir) -> JobRootCleanup {
+        JobRootCleanup(DataDir::new(dir.path()).job_root())
+    }
+}
+
+impl Drop for JobRootCleanup {
+    fn drop(&mut self) {
+        if self.0.starts_with(gpunode_node::data_dir::SYSTEM_JOB_ROOT) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
 }
 
 impl TestNode {
@@ -197,6 +216,7 @@ pub async fn start_node_in(
         handle,
         gpus,
         addr,
+        _job_root: JobRootCleanup::of(&dir),
         dir,
     })
 }
@@ -289,6 +309,7 @@ impl TestNet {
             handle,
             gpus: None,
             addr,
+            _job_root: JobRootCleanup::of(&dir),
             dir,
         })
     }

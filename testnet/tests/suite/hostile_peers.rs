@@ -533,17 +533,24 @@ mod attacks {
                 .build();
             swarm.dial(opts).expect("dial");
         }
-        let (mut up, mut failed) = (0, 0);
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-        while up + failed < 50 && tokio::time::Instant::now() < deadline {
-            match tokio::time::timeout(Duration::from_secs(5), swarm.select_next_some()).await {
-                Ok(SwarmEvent::ConnectionEstablished { .. }) => up += 1,
-                Ok(SwarmEvent::OutgoingConnectionError { .. }) => failed += 1,
+        // Count until every dial has been answered and nothing has happened for 2 s
+        // (the provider closes what it refuses right after the handshake).
+        let (mut up, mut answered) = (0i32, 0);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        while tokio::time::Instant::now() < deadline {
+            match tokio::time::timeout(Duration::from_secs(2), swarm.select_next_some()).await {
+                Ok(SwarmEvent::ConnectionEstablished { .. }) => {
+                    up += 1;
+                    answered += 1;
+                }
+                Ok(SwarmEvent::OutgoingConnectionError { .. }) => answered += 1,
                 Ok(SwarmEvent::ConnectionClosed { .. }) => up -= 1,
                 Ok(_) => {}
-                Err(_) => break,
+                Err(_) if answered >= 50 => break,
+                Err(_) => {}
             }
         }
+        assert_eq!(answered, 50, "every dial was answered");
         // The provider kept at most its per-peer limit (8) of them.
         let status = net.nodes[0].handle.status().await.expect("status");
         assert!(up <= 8, "{up} connections stayed up");
