@@ -116,6 +116,12 @@ pub(crate) enum Command {
         peer: PeerId,
         reply: oneshot::Sender<bool>,
     },
+    /// The price (millicredits per GPU-hour) in the peer's newest verified advert this
+    /// node holds, without asking the DHT.
+    KnownPrice {
+        peer: PeerId,
+        reply: oneshot::Sender<Option<u64>>,
+    },
 }
 
 /// Our own advert: what it says and where it stands.
@@ -346,6 +352,13 @@ impl EventLoop {
             }
             Command::IsConnected { peer, reply } => {
                 let _ = reply.send(self.connections.contains_key(&peer));
+            }
+            Command::KnownPrice { peer, reply } => {
+                let price = self
+                    .book
+                    .latest(&peer, now_ms())
+                    .map(|a| a.price_per_gpu_hour_millicredits);
+                let _ = reply.send(price);
             }
             Command::TeamAllowed { peers } => self.set_team_allowed(peers),
             Command::GetLeases { ids, reply } => {

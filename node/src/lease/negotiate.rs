@@ -127,18 +127,26 @@ impl NodeHandle {
             .await
             .ok()
             .and_then(|v| v.into_iter().next())
-            .map(|o| {
-                o.listen_addrs
-                    .iter()
-                    .filter_map(|a| a.parse().ok())
-                    .collect()
-            })
+            .map(|o| listen_multiaddrs(&o))
             .unwrap_or_default()
     }
 
     /// Where to reach `peer` (nothing when connected) and the price it advertises
-    /// (millicredits per GPU-hour), when its advert is found.
+    /// (millicredits per GPU-hour), when its advert is known. A connected peer whose
+    /// advert this node already verified costs no DHT request.
     async fn target_of(&self, peer: PeerId) -> (Vec<Multiaddr>, Option<u64>) {
+        let connected = matches!(
+            self.ask(|reply| Command::IsConnected { peer, reply }).await,
+            Ok(true)
+        );
+        let known = self
+            .ask(|reply| Command::KnownPrice { peer, reply })
+            .await
+            .ok()
+            .flatten();
+        if connected && known.is_some() {
+            return (Vec::new(), known);
+        }
         let advert = self
             .find_adverts(vec![peer])
             .await
@@ -146,18 +154,12 @@ impl NodeHandle {
             .and_then(|v| v.into_iter().next());
         let price = advert
             .as_ref()
-            .map(|o| (o.price_per_gpu_hour * 1000.0).round() as u64);
-        if let Ok(true) = self.ask(|reply| Command::IsConnected { peer, reply }).await {
-            return (Vec::new(), price);
-        }
-        let addrs = advert
-            .map(|o| {
-                o.listen_addrs
-                    .iter()
-                    .filter_map(|a| a.parse().ok())
-                    .collect()
-            })
-            .unwrap_or_default();
+            .map(|o| (o.price_per_gpu_hour * 1000.0).round() as u64)
+            .or(known);
+        let addrs = match advert {
+            Some(o) if !connected => listen_multiaddrs(&o),
+            _ => Vec::new(),
+        };
         (addrs, price)
     }
 
@@ -229,10 +231,7 @@ impl NodeHandle {
                         let peer = o.peer_id.parse().ok()?;
                         Some((
                             peer,
-                            o.listen_addrs
-                                .iter()
-                                .filter_map(|a| a.parse().ok())
-                                .collect(),
+                            listen_multiaddrs(o),
                             Some((o.price_per_gpu_hour * 1000.0).round() as u64),
                         ))
                     })
@@ -460,6 +459,14 @@ impl NodeHandle {
             peer_error,
         })
     }
+}
+
+/// The addresses an offer lists, parsed (unparsable ones left out).
+fn listen_multiaddrs(o: &crate::OfferView) -> Vec<Multiaddr> {
+    o.listen_addrs
+        .iter()
+        .filter_map(|a| a.parse().ok())
+        .collect()
 }
 
 /// Failures of the connection rather than refusals by the peer: worth one more try.

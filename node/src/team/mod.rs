@@ -298,16 +298,20 @@ impl TeamState {
                 .any(|c| c.cert.member == *peer && self.check_cert(c, now).is_ok())
     }
 
-    /// Peers that may connect now: members with a valid, unrevoked certificate, and the
-    /// join identities of invites that still have uses and have not expired.
-    pub fn allowed(&self, now: UnixMillis) -> HashSet<PeerId> {
-        let mut allowed: HashSet<PeerId> = self
-            .members
+    /// The members now: [`TeamState::is_member`] of every peer with a certificate.
+    pub fn members_now(&self, now: UnixMillis) -> HashSet<PeerId> {
+        self.members
             .iter()
             .filter(|c| self.check_cert(c, now).is_ok())
             .map(|c| c.cert.member)
             .filter(|p| !self.is_revoked(p))
-            .collect();
+            .collect()
+    }
+
+    /// Peers that may connect now: members with a valid, unrevoked certificate, and the
+    /// join identities of invites that still have uses and have not expired.
+    pub fn allowed(&self, now: UnixMillis) -> HashSet<PeerId> {
+        let mut allowed = self.members_now(now);
         allowed.extend(
             self.invites
                 .iter()

@@ -34,6 +34,9 @@ pub struct Team {
     node_key: Keypair,
     team_key: Option<Keypair>,
     allowed: Mutex<HashSet<PeerId>>,
+    /// The members, recomputed with `allowed` (on every change and sync tick), so the
+    /// handlers' membership check verifies no signature per message.
+    members: Mutex<HashSet<PeerId>>,
     grants: super::policy::Grants,
 }
 
@@ -56,11 +59,13 @@ impl Team {
         }
         let team_key = TeamState::team_keypair(&data_dir)?;
         let allowed = state.allowed(now_ms());
+        let members = state.members_now(now_ms());
         Ok(Some(Arc::new(Team {
             state: Mutex::new(state),
             node_key,
             team_key,
             allowed: Mutex::new(allowed),
+            members: Mutex::new(members),
             grants: super::policy::Grants::load(&grants_file(&data_dir)),
             data_dir,
         })))
@@ -79,7 +84,10 @@ impl Team {
     /// issuer). Join identities are let in to join, and nothing else: every handler
     /// asks this rather than rely on the connection allow-list.
     pub fn is_member(&self, peer: &PeerId) -> bool {
-        self.lock().is_member(peer, now_ms())
+        self.members
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains(peer)
     }
 
     /// Peers allowed to connect now.
@@ -99,7 +107,9 @@ impl Team {
     }
 
     fn recompute(&self, state: &TeamState) -> Option<HashSet<PeerId>> {
-        let now_allowed = state.allowed(now_ms());
+        let now = now_ms();
+        *self.members.lock().unwrap_or_else(|p| p.into_inner()) = state.members_now(now);
+        let now_allowed = state.allowed(now);
         let mut allowed = self.allowed.lock().unwrap_or_else(|p| p.into_inner());
         if *allowed == now_allowed {
             return None;

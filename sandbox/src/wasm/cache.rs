@@ -131,22 +131,35 @@ mod tests {
     fn the_disk_cache_keeps_a_bounded_number_of_modules() {
         let dir = tempfile::tempdir().expect("tmp");
         let mut cache = ModuleCache::new(dir.path()).expect("cache");
-        cache.max_on_disk = 2;
         let engine = Engine::default();
-        for i in 0..5 {
+        let compile = |cache: &ModuleCache, i: u32| {
             let wat = format!("(module (func (export \"f{i}\")))");
             cache
                 .get_or_compile(&engine, &format!("m{i}"), wat.as_bytes())
                 .expect("compile");
-            // Distinct modification times, oldest first.
-            std::thread::sleep(std::time::Duration::from_millis(20));
+        };
+        for i in 0..5 {
+            compile(&cache, i);
         }
+        // Written i hours ago, newest last.
+        let now = std::time::SystemTime::now();
+        for i in 0..5u64 {
+            std::fs::File::options()
+                .write(true)
+                .open(dir.path().join(format!("m{i}.cwasm")))
+                .expect("open")
+                .set_modified(now - std::time::Duration::from_secs((5 - i) * 3600))
+                .expect("set time");
+        }
+        // Past the limit, the next module written pushes the oldest out.
+        cache.max_on_disk = 2;
+        compile(&cache, 5);
         let mut left: Vec<String> = std::fs::read_dir(dir.path())
             .expect("dir")
             .flatten()
             .map(|e| e.file_name().to_string_lossy().into_owned())
             .collect();
         left.sort();
-        assert_eq!(left, vec!["m3.cwasm", "m4.cwasm"]);
+        assert_eq!(left, vec!["m4.cwasm", "m5.cwasm"]);
     }
 }
