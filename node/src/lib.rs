@@ -22,6 +22,8 @@ pub mod ledger;
 pub mod metrics;
 pub mod network;
 pub mod owner;
+pub mod router;
+pub mod standings;
 pub mod store;
 pub mod team;
 pub mod views;
@@ -132,6 +134,9 @@ pub enum NodeError {
     /// The team files could not be used.
     #[error(transparent)]
     Team(#[from] team::TeamOpError),
+    /// A stream protocol could not be served.
+    #[error(transparent)]
+    Route(#[from] router::RouteError),
     /// The node has stopped.
     #[error("the node has stopped")]
     Stopped,
@@ -447,7 +452,7 @@ impl Node {
             )
             .map_err(|e| NodeError::Sandbox(e.to_string()))?,
         );
-        let mut control = swarm.behaviour().stream.new_control();
+        let control = swarm.behaviour().stream.new_control();
         let handle = NodeHandle {
             peer_id,
             keypair: keypair.clone(),
@@ -499,15 +504,30 @@ impl Node {
         event_loop::dial_bootstrap(&mut swarm, &bootstrap);
 
         tasks.push(tokio::spawn(ledger_writer.run(stop_rx.clone())));
-        let settle_incoming = control
-            .accept(ledger::settle::SETTLE_PROTOCOL)
-            .map_err(|e| NodeError::Job(e.to_string()))?;
-        tasks.push(tokio::spawn(ledger::settle::serve_claims(
-            accounts.clone(),
-            handle.clone(),
-            settle_incoming,
-            stop_rx.clone(),
-        )));
+        let mut router = router::Router::new(control.clone(), metrics.clone());
+        router.route(
+            ledger::settle::SETTLE_PROTOCOL,
+            "settle",
+            ledger::settle::SETTLE_STREAM_LIMITS,
+            Arc::new(ledger::settle::ClaimAnswers {
+                accounts: accounts.clone(),
+                node: handle.clone(),
+            }),
+        )?;
+        if let Some(t) = &team {
+            for kind in team::service::TeamStream::ALL {
+                router.route(
+                    kind.protocol(t),
+                    kind.metrics_name(),
+                    team::service::TEAM_STREAM_LIMITS,
+                    Arc::new(team::service::TeamStreams {
+                        team: t.clone(),
+                        node: handle.clone(),
+                        kind,
+                    }),
+                )?;
+            }
+        }
         let (ended_tx, ended_rx) = mpsc::channel(8192);
         tasks.push(tokio::spawn(ledger::settle::run_claims(
             accounts.clone(),
@@ -517,9 +537,6 @@ impl Node {
         )));
 
         if opts.role == Role::Provider {
-            let incoming = control
-                .accept(jobs::JOB_PROTOCOL)
-                .map_err(|e| NodeError::Sandbox(e.to_string()))?;
             let cores = config.cpu_cores.unwrap_or_else(host_cpu_cores).max(1);
             let blobs = jobs::blobs::BlobCache::open(&opts.data_dir.blob_dir(), config.blob_cache)
                 .map_err(|e| {
@@ -556,11 +573,19 @@ impl Node {
                 slots: jobs::slots::Slots::new(cores),
                 total_slots: cores,
                 max_job_bytes: config.max_job_bytes,
+                standings: standings::PeerStandings::new(team.clone(), accounts.clone()),
             });
             // Working directories left by a crash are stale: their jobs are gone.
             let _ = std::fs::remove_dir_all(&jobs_dir);
-            tasks.push(tokio::spawn(service.serve(incoming, stop_rx.clone())));
+            router.route(
+                jobs::JOB_PROTOCOL,
+                "job",
+                jobs::provider::JOB_STREAM_LIMITS,
+                service,
+            )?;
         }
+
+        tasks.push(tokio::spawn(router.serve(stop_rx.clone())));
 
         let (snap_tx, snap_rx) = mpsc::channel(4);
         let lending = reader.rules.hours.clone();
@@ -610,13 +635,20 @@ impl Node {
             stored_nonces,
             gpunode_protocol::time::now_ms(),
         );
-        lease::persist::write_changes(&store, &mut leases)?;
+        let restored = leases.take_changes();
+        lease::persist::write(&store, &leases, &restored)?;
         store.flush()?;
-        let event_loop = EventLoop::new(LoopParts {
-            owner_policy: (config.owner_policy, config.owner_grace),
-            queue_order: config.queue_order.into(),
-            alerts: config.alert_rules(),
+        let desk = lease::LeaseDesk::new(lease::desk::DeskParts {
+            book: leases,
+            keypair: keypair.clone(),
+            order: config.queue_order.into(),
+            fair_share: lease::persist::load_fair_share(&store),
             lending,
+            owner: (config.owner_policy, config.owner_grace.as_millis() as u64),
+            fixed_lease_id: opts.misbehaviour.fixed_lease_id,
+        });
+        let event_loop = EventLoop::new(LoopParts {
+            alerts: config.alert_rules(),
             swarm,
             keypair,
             commands: commands_rx,
@@ -625,7 +657,7 @@ impl Node {
             metrics,
             inventory: first_snapshot,
             offer,
-            leases,
+            desk,
             lease_jobs: lease_jobs.clone(),
             accounts,
             ended_leases: ended_tx,

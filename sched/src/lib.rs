@@ -15,7 +15,7 @@ pub mod queue;
 
 pub use fair_share::FairShare;
 pub use plan::{GpuTimeline, Placement, Plan};
-pub use queue::{Order, Queue, Request, Standing, Ticket};
+pub use queue::{Order, Queue, Rank, Request, Standing, Ticket};
 
 /// Milliseconds since the unix epoch (or since any fixed origin, in simulations).
 pub type Millis = u64;

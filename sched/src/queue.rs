@@ -33,6 +33,22 @@ pub struct Standing {
     pub reputation: f64,
 }
 
+/// Where a requester stands in serving order: higher is served first. Role priority,
+/// then whole credits (a few millicredits of difference is not a rule), then reputation
+/// in tenths. Lease admission and CPU slots both order by it.
+pub type Rank = (i32, i64, u32);
+
+impl Standing {
+    /// This standing's [`Rank`].
+    pub fn rank(&self) -> Rank {
+        (
+            self.priority,
+            self.credit_millicredits.div_euclid(1000),
+            (self.reputation.clamp(0.0, 1.0) * 10.0).floor() as u32,
+        )
+    }
+}
+
 /// One request waiting for GPUs.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Request {
@@ -68,15 +84,7 @@ pub struct Queue {
 }
 
 /// The sort key of an entry under [`Order::Fair`]: smaller goes first.
-type FairKey = (
-    Reverse<i32>,
-    Reverse<i64>,
-    Reverse<u32>,
-    u32,
-    u64,
-    Millis,
-    u64,
-);
+type FairKey = (Reverse<Rank>, u32, u64, Millis, u64);
 
 impl Queue {
     /// An empty queue; a request not asked for again within `stale_after_ms` is dropped
@@ -153,13 +161,8 @@ impl Queue {
     }
 
     fn fair_key(e: &Entry, fair: &FairShare, now: Millis) -> FairKey {
-        let s = &e.request.standing;
         (
-            Reverse(s.priority),
-            // Whole credits: a few millicredits of difference is not a rule.
-            Reverse(s.credit_millicredits.div_euclid(1000)),
-            // Reputation in tenths.
-            Reverse((s.reputation.clamp(0.0, 1.0) * 10.0).floor() as u32),
+            Reverse(e.request.standing.rank()),
             fair.level(&e.request.user, now),
             e.request.duration_ms,
             e.arrived_ms,

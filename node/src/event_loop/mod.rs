@@ -34,8 +34,6 @@ use tokio::time::Instant;
 
 mod finds;
 mod leases;
-mod owner;
-mod queue;
 
 use finds::PendingFind;
 
@@ -44,13 +42,15 @@ pub(crate) use leases::capacity_from;
 use crate::adverts::{AdvertBook, AdvertStamp, LocalOffer};
 use crate::inventory::InventorySnapshot;
 use crate::lease::book::SignedRenewal;
-use crate::lease::{LeaseBook, LeaseRecord};
+use crate::lease::desk::LocalCancel;
+use crate::lease::{LeaseDesk, LeaseRecord};
 use crate::metrics::Metrics;
 use crate::network::{NodeBehaviour, NodeBehaviourEvent};
+use crate::standings::PeerStandings;
 use crate::store::Store;
 use crate::views::{AdvertStatus, NodeStatus, OfferSearch};
 use gpunode_protocol::gpu::GpuState;
-use gpunode_protocol::lease::{Cancellation, LeaseMessage, LeaseReply, LeaseTerms, Rejection};
+use gpunode_protocol::lease::{LeaseMessage, LeaseReply, LeaseTerms, Rejection};
 use libp2p::request_response::{OutboundRequestId, ResponseChannel};
 
 /// How long an offer query may take before it answers with what it has.
@@ -59,10 +59,6 @@ const FIND_TIMEOUT: Duration = Duration::from_secs(8);
 const WITHDRAW_TIMEOUT: Duration = Duration::from_secs(2);
 /// Kademlia's replication factor: below this many stored copies we re-publish on new peers.
 const REPLICATION: usize = 20;
-
-/// A cancellation this node made: the lease as it now stands, and the signed message
-/// to send to the other party.
-pub(crate) type LocalCancel = (LeaseRecord, Cancellation, Vec<u8>);
 
 /// Requests from a [`crate::NodeHandle`] to the loop.
 #[derive(Debug)]
@@ -154,7 +150,10 @@ pub(crate) struct EventLoop {
     next_find: u64,
     provider_queries: HashMap<QueryId, u64>,
     record_queries: HashMap<QueryId, (u64, PeerId)>,
-    leases: LeaseBook,
+    /// Every admission decision, and the lease book behind it.
+    desk: LeaseDesk,
+    /// How peers stand with this node (team and accounts), for the desk.
+    standings: PeerStandings,
     lease_out: HashMap<OutboundRequestId, oneshot::Sender<Result<LeaseReply, String>>>,
     lease_replies: Vec<(ResponseChannel<LeaseReply>, LeaseReply)>,
     lease_jobs: crate::jobs::LeaseJobs,
@@ -166,12 +165,8 @@ pub(crate) struct EventLoop {
     kad_protocol: libp2p::StreamProtocol,
     /// The node's team, whose policy applies to lease requests.
     team: Option<Arc<crate::team::service::Team>>,
-    /// The owner's rules for leases on GPUs it comes back to, and lending hours.
-    owner: owner::OwnerState,
     /// GPU alert thresholds and what they have seen.
     alerts: crate::alerts::AlertWatch,
-    /// Lease requests waiting for GPUs, and the usage they are ordered by.
-    waiting: queue::WaitQueue,
 }
 
 /// How the loop is set up.
@@ -185,8 +180,8 @@ pub(crate) struct LoopParts {
     pub inventory: InventorySnapshot,
     /// `None` for a client that does not advertise.
     pub offer: Option<(LocalOffer, Duration)>,
-    /// Leases restored from the store.
-    pub leases: LeaseBook,
+    /// The lease desk, with the leases restored from the store.
+    pub desk: LeaseDesk,
     /// Jobs running under each lease, stopped when it ends.
     pub lease_jobs: crate::jobs::LeaseJobs,
     /// Ledger, reputation and credit rules (lease admission).
@@ -197,12 +192,6 @@ pub(crate) struct LoopParts {
     pub kad_protocol: libp2p::StreamProtocol,
     /// The node's team.
     pub team: Option<Arc<crate::team::service::Team>>,
-    /// What happens to jobs when a GPU's owner comes back, and after how long.
-    pub owner_policy: (crate::owner::OwnerPolicy, Duration),
-    /// How waiting lease requests are ordered.
-    pub queue_order: gpunode_sched::Order,
-    /// When GPUs are lent.
-    pub lending: crate::owner::LendingHours,
     /// GPU alert thresholds and hook.
     pub alerts: crate::alerts::AlertRules,
 }
@@ -225,7 +214,6 @@ impl EventLoop {
             publish_at: Some(Instant::now() + Duration::from_millis(50)),
             refresh_at: Instant::now() + ttl / 2,
         });
-        let waiting = queue::WaitQueue::new(parts.queue_order, &parts.store);
         EventLoop {
             book: AdvertBook::new(parts.metrics.clone()),
             swarm: parts.swarm,
@@ -242,7 +230,11 @@ impl EventLoop {
             next_find: 0,
             provider_queries: HashMap::new(),
             record_queries: HashMap::new(),
-            leases: parts.leases,
+            standings: crate::standings::PeerStandings::new(
+                parts.team.clone(),
+                parts.accounts.clone(),
+            ),
+            desk: parts.desk,
             lease_out: HashMap::new(),
             lease_replies: Vec::new(),
             lease_jobs: parts.lease_jobs,
@@ -251,13 +243,7 @@ impl EventLoop {
             rtts: HashMap::new(),
             kad_protocol: parts.kad_protocol,
             team: parts.team,
-            owner: owner::OwnerState::new(
-                parts.owner_policy.0,
-                parts.owner_policy.1,
-                parts.lending,
-            ),
             alerts: crate::alerts::AlertWatch::new(parts.alerts),
-            waiting,
         }
     }
 
@@ -272,7 +258,7 @@ impl EventLoop {
         for f in self.finds.values() {
             t = t.min(f.deadline);
         }
-        if let Some(due) = self.leases.next_deadline() {
+        if let Some(due) = self.desk.book().next_deadline() {
             let wait = Duration::from_millis(due.saturating_sub(now_ms()));
             t = t.min(Instant::now() + wait);
         }
@@ -342,9 +328,9 @@ impl EventLoop {
                 let _ = reply.send(self.cancel_local(&prefix));
             }
             Command::ResolveLease { prefix, reply } => {
-                let r = self.leases.resolve(&prefix).and_then(|id| {
-                    self.leases
-                        .get(&id)
+                let book = self.desk.book();
+                let r = book.resolve(&prefix).and_then(|id| {
+                    book.get(&id)
                         .cloned()
                         .ok_or_else(|| "lease vanished".into())
                 });
@@ -362,10 +348,14 @@ impl EventLoop {
             }
             Command::TeamAllowed { peers } => self.set_team_allowed(peers),
             Command::GetLeases { ids, reply } => {
-                let _ = reply.send(ids.iter().map(|id| self.leases.get(id).cloned()).collect());
+                let _ = reply.send(
+                    ids.iter()
+                        .map(|id| self.desk.book().get(id).cloned())
+                        .collect(),
+                );
             }
             Command::ListLeases(reply) => {
-                let _ = reply.send(self.leases.all().into_iter().cloned().collect());
+                let _ = reply.send(self.desk.book().all().into_iter().cloned().collect());
             }
         }
     }
@@ -386,19 +376,22 @@ impl EventLoop {
         for p in gone {
             tracing::info!(peer = %p, "no longer a member of the team: disconnected");
             self.swarm.behaviour_mut().kad.remove_peer(&p);
-            let leases: Vec<String> = self
-                .leases
-                .all()
-                .into_iter()
-                .filter(|l| l.peer() == p && l.state.holds_resources())
-                .map(|l| l.terms.lease_id.to_string())
-                .collect();
-            for id in leases {
-                if let Err(e) = self.cancel_local(&id) {
-                    tracing::warn!(lease = %id, "cannot cancel a lease of a former member: {}", e.message);
-                }
-            }
+            let effects = self.desk.cancel_peer(&p, now_ms());
+            self.carry_out(effects);
         }
+    }
+
+    /// Applies the owner's policy to the leases on GPUs the owner uses now.
+    fn enforce_owner_policy(&mut self) {
+        let busy: std::collections::HashSet<&str> = self
+            .inventory
+            .gpus
+            .iter()
+            .filter(|g| g.state == GpuState::OwnerBusy)
+            .map(|g| g.uuid.as_str())
+            .collect();
+        let effects = self.desk.enforce_owner_policy(&busy, now_ms());
+        self.carry_out(effects);
     }
 
     fn status(&mut self) -> NodeStatus {
@@ -437,7 +430,7 @@ impl EventLoop {
     fn on_snapshot(&mut self, snapshot: InventorySnapshot) {
         if snapshot != self.inventory {
             if let Some(own) = &self.own {
-                self.leases.set_capacity(capacity_from(
+                self.desk.set_capacity(capacity_from(
                     &snapshot,
                     own.offer.cpu_cores,
                     own.offer.ram_bytes,
@@ -461,7 +454,7 @@ impl EventLoop {
     fn watch_gpus(&mut self) {
         self.metrics.gpus.observe_gpus(&self.inventory);
         self.metrics.gpus.observe_jobs(&self.lease_jobs.views());
-        let leased = self.leases.committed_gpus();
+        let leased = self.desk.book().committed_gpus();
         for alert in self.alerts.check(&self.inventory, &leased, now_ms()) {
             self.metrics
                 .gpus
@@ -495,7 +488,12 @@ impl EventLoop {
                 self.publish(false);
             }
         }
-        if self.leases.next_deadline().is_some_and(|d| d <= now_ms()) {
+        if self
+            .desk
+            .book()
+            .next_deadline()
+            .is_some_and(|d| d <= now_ms())
+        {
             self.tick_leases();
         }
         let expired: Vec<u64> = self
@@ -510,8 +508,8 @@ impl EventLoop {
         let size = self.routing_table_size();
         self.metrics.routing_table_peers.set(size as i64);
         let m = &self.metrics;
-        m.set_peer_state("lease_records", self.leases.record_count());
-        m.set_peer_state("spent_nonces", self.leases.nonce_count());
+        m.set_peer_state("lease_records", self.desk.book().record_count());
+        m.set_peer_state("spent_nonces", self.desk.book().nonce_count());
         m.set_peer_state("adverts", self.book.len());
         m.set_peer_state("reputation_records", self.accounts.reputation.len());
         m.set_peer_state("refused_receipts", self.accounts.refused_count());
@@ -525,7 +523,7 @@ impl EventLoop {
             .map(|a| a.to_string())
             .collect();
         let key = advert_record_key(&self.local_peer);
-        let leased = self.leases.committed_gpus();
+        let leased = self.desk.book().committed_gpus();
         let mut inventory_with_leases = self.inventory.clone();
         for g in &mut inventory_with_leases.gpus {
             if g.state == GpuState::Idle && leased.contains(&g.uuid) {
@@ -552,7 +550,7 @@ impl EventLoop {
                 },
                 &inventory_with_leases,
                 listen_addrs,
-                &self.leases.reserved_windows(),
+                &self.desk.book().reserved_windows(),
             );
             let signed = self.sign(&advert)?;
             let own = self.own.as_mut()?;

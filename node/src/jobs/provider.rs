@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use futures::{AsyncReadExt, AsyncWriteExt, StreamExt};
+use futures::{AsyncReadExt, AsyncWriteExt};
 use gpunode_protocol::job::{
     check_relative_path, BlobRef, JobFile, JobOutcome, JobRefusal, JobRejection, JobReport,
     JobSubmit, Program, ProviderMsg, RequesterMsg, JOB_VERSION, MAX_INPUT_FILES, MAX_LOG_PIECE,
@@ -23,15 +23,18 @@ use gpunode_sandbox::container::{ContainerLimits, ContainerSpec, GpuDevice, Root
 use gpunode_sandbox::wasm::{CompiledTask, Limits, Outcome, RunSpec, WasmExecutor};
 use gpunode_sandbox::SandboxError;
 use libp2p::{PeerId, Stream};
-use tokio::sync::{mpsc, watch};
+use tokio::sync::mpsc;
 
 use super::blobs::BlobCache;
 use super::containers::ContainerRuntime;
-use super::wire::{self, Frame};
+use super::wire;
 use super::{JobControl, LeaseJobs};
-use crate::inbound::{StreamGate, FIRST_MESSAGE_DEADLINE};
+use crate::lease::Standings;
 use crate::lease::{LeaseRole, LeaseState};
+use crate::router::framing::{self, Frame};
+use crate::router::{StreamGate, StreamHandler, StreamLimits, FIRST_MESSAGE_DEADLINE};
 use crate::NodeHandle;
+use futures::future::BoxFuture;
 
 /// Smallest wasm memory a job gets when its lease reserved no RAM.
 const DEFAULT_JOB_MEMORY: u64 = 256 << 20;
@@ -61,6 +64,8 @@ pub struct JobService {
     pub total_slots: u32,
     /// Cap on a job's inputs and on its outputs.
     pub max_job_bytes: u64,
+    /// How requesters stand with this node: orders jobs waiting for CPU slots.
+    pub standings: crate::standings::PeerStandings,
 }
 
 fn reject(code: JobRefusal, message: impl Into<String>) -> JobRejection {
@@ -93,40 +98,30 @@ const AFTER_LEASE_GRACE: Duration = Duration::from_secs(30);
 /// leases; this bounds streams that are opened and left idle).
 const MAX_JOB_STREAMS: usize = 256;
 
-impl JobService {
-    /// Serves inbound job streams until `stop` turns true. Guests are stopped through
-    /// [`super::LeaseJobs`] when the node stops; each exchange then ends on its own.
-    pub async fn serve(
-        self: Arc<Self>,
-        mut incoming: libp2p_stream::IncomingStreams,
-        mut stop: watch::Receiver<bool>,
-    ) {
-        let gate = StreamGate::new(
-            "job",
-            MAX_JOB_STREAMS,
-            FIRST_MESSAGE_DEADLINE,
-            self.node.metrics().clone(),
-        );
-        loop {
-            tokio::select! {
-                next = incoming.next() => match next {
-                    Some((peer, stream)) => {
-                        // Past the limit the stream is dropped unread.
-                        let Some(permit) = gate.enter() else { continue };
-                        let (me, gate) = (self.clone(), gate.clone());
-                        tokio::spawn(async move {
-                            me.handle(peer, stream, &gate).await;
-                            drop(permit);
-                        });
-                    }
-                    None => return,
-                },
-                _ = stop.changed() => return,
-            }
-        }
-    }
+/// How job streams are bounded: running jobs are bounded by the job slots and leases;
+/// this bounds streams that are opened and left idle. A job's exchange lasts as long as
+/// its run.
+pub const JOB_STREAM_LIMITS: StreamLimits = StreamLimits {
+    max_handlers: MAX_JOB_STREAMS,
+    first_message: FIRST_MESSAGE_DEADLINE,
+    exchange: None,
+};
 
-    async fn handle(self: Arc<Self>, peer: PeerId, stream: Stream, gate: &StreamGate) {
+impl StreamHandler for JobService {
+    /// Guests are stopped through [`super::LeaseJobs`] when the node stops; each
+    /// exchange then ends on its own.
+    fn handle(
+        self: Arc<Self>,
+        peer: PeerId,
+        stream: Stream,
+        gate: StreamGate,
+    ) -> BoxFuture<'static, ()> {
+        Box::pin(async move { self.serve_stream(peer, stream, &gate).await })
+    }
+}
+
+impl JobService {
+    async fn serve_stream(self: Arc<Self>, peer: PeerId, stream: Stream, gate: &StreamGate) {
         let (mut r, mut w) = AsyncReadExt::split(stream);
         let submit = match gate.first_message::<_, RequesterMsg>(&mut r).await {
             Ok(RequesterMsg::Submit(s)) => s,
@@ -138,7 +133,7 @@ impl JobService {
                     format!("malformed job request: {e}"),
                 );
                 self.node.metrics().job_rejected(rej.code.label());
-                let _ = wire::write_message(&mut w, &ProviderMsg::Rejected(rej)).await;
+                let _ = framing::write_message(&mut w, &ProviderMsg::Rejected(rej)).await;
                 let _ = w.close().await;
                 return;
             }
@@ -148,7 +143,7 @@ impl JobService {
             Err(rej) => {
                 tracing::info!(%peer, "job refused: {}", rej.message);
                 self.node.metrics().job_rejected(rej.code.label());
-                let _ = wire::write_message(&mut w, &ProviderMsg::Rejected(rej)).await;
+                let _ = framing::write_message(&mut w, &ProviderMsg::Rejected(rej)).await;
                 let _ = w.close().await;
                 return;
             }
@@ -165,7 +160,7 @@ impl JobService {
                     ),
                 );
                 self.node.metrics().job_rejected(rej.code.label());
-                let _ = wire::write_message(&mut w, &ProviderMsg::Rejected(rej)).await;
+                let _ = framing::write_message(&mut w, &ProviderMsg::Rejected(rej)).await;
                 let _ = w.close().await;
                 return;
             }
@@ -332,7 +327,7 @@ impl JobService {
         let accepted = ProviderMsg::Accepted {
             missing: missing.iter().map(|b| b.hash).collect(),
         };
-        wire::write_message(w, &accepted).await?;
+        framing::write_message(w, &accepted).await?;
         w.flush().await?;
         // Each commit pins its blob once more (the caller unpins `wanted`); these pins
         // go when this exchange ends, however it ends.
@@ -347,7 +342,7 @@ impl JobService {
                 let _ = tokio::fs::remove_file(&temp).await;
                 let rej = reject(JobRefusal::Corrupt, e.to_string());
                 self.node.metrics().job_rejected(rej.code.label());
-                let _ = wire::write_message(w, &ProviderMsg::Rejected(rej)).await;
+                let _ = framing::write_message(w, &ProviderMsg::Rejected(rej)).await;
                 return Err(e);
             }
             committed.1.push(*blob);
@@ -357,7 +352,7 @@ impl JobService {
             Ok(r) => r,
             Err(rej) => {
                 self.node.metrics().job_rejected(rej.code.label());
-                wire::write_message(w, &ProviderMsg::Rejected(rej)).await?;
+                framing::write_message(w, &ProviderMsg::Rejected(rej)).await?;
                 return Ok(());
             }
         };
@@ -376,7 +371,7 @@ impl JobService {
                 format!("cannot stage inputs: {e}"),
             );
             self.node.metrics().job_rejected(rej.code.label());
-            wire::write_message(w, &ProviderMsg::Rejected(rej)).await?;
+            framing::write_message(w, &ProviderMsg::Rejected(rej)).await?;
             return Err(e);
         }
 
@@ -395,11 +390,9 @@ impl JobService {
         {
             cancel.cancel();
         }
-        // Team role priority first (its policy's), then give-to-get standing.
-        let role_priority = self.node.team().map_or(0, |t| t.priority_of(&peer)) as i128;
-        let standing = self.node.accounts().standing(&peer);
-        let priority = role_priority * 1_000_000_000_000_000 + standing;
-        let permits = self.slots.acquire(admitted.cpus, priority).await;
+        // The same serving order as lease admission.
+        let rank = self.standings.standing(&peer).rank();
+        let permits = self.slots.acquire(admitted.cpus, rank).await;
 
         // The lease's receipt waits until this job's usage is recorded, however the
         // exchange ends.
@@ -409,7 +402,7 @@ impl JobService {
         let _running = scopeguard(move || {
             metrics.jobs_running.dec();
         });
-        wire::write_message(w, &ProviderMsg::Started).await?;
+        framing::write_message(w, &ProviderMsg::Started).await?;
         w.flush().await?;
 
         // The requester may cancel, or vanish, while the task runs.
@@ -418,7 +411,7 @@ impl JobService {
             let (cancel, asked) = (cancel.clone(), requester_cancelled.clone());
             tokio::spawn(async move {
                 loop {
-                    match wire::read_frame::<_, RequesterMsg>(&mut r).await {
+                    match framing::read_frame::<_, RequesterMsg>(&mut r).await {
                         Ok(Some(Frame::Message(RequesterMsg::Cancel))) => {
                             asked.store(true, Ordering::SeqCst);
                             cancel.cancel();
@@ -508,7 +501,7 @@ impl JobService {
             if lost.is_some() {
                 continue;
             }
-            let sent = match wire::write_message(w, &msg).await {
+            let sent = match framing::write_message(w, &msg).await {
                 Ok(()) if rx.is_empty() => w.flush().await,
                 other => other,
             };
@@ -542,7 +535,7 @@ impl JobService {
                 };
                 let rej = reject(code, e.to_string());
                 self.node.metrics().job_rejected(rej.code.label());
-                wire::write_message(w, &ProviderMsg::Rejected(rej)).await?;
+                framing::write_message(w, &ProviderMsg::Rejected(rej)).await?;
                 return Ok(());
             }
         };
@@ -594,7 +587,7 @@ impl JobService {
             outputs: files,
             gpu: gpu_use,
         };
-        wire::write_message(w, &ProviderMsg::Finished(report)).await?;
+        framing::write_message(w, &ProviderMsg::Finished(report)).await?;
         for (file, path) in &outputs {
             let mut src = tokio::fs::File::open(path).await?;
             wire::send_blob(w, &mut src, file.blob.size, |_| {}).await?;

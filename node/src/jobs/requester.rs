@@ -22,6 +22,7 @@ use super::JOB_PROTOCOL;
 use super::{outputs, wire};
 use crate::ledger::reputation::Outcome;
 use crate::ledger::settle::ReceiptStatus;
+use crate::router::framing;
 use crate::{LeaseError, LeaseSpec, LeaseView, NodeHandle};
 
 /// How long after the task's timeout the lease runs, for transfers on both ends.
@@ -812,13 +813,13 @@ impl NodeHandle {
         let (mut r, mut w) = AsyncReadExt::split(stream);
         let submit = prepared.submit(req, lease_id);
         let lost = |e: std::io::Error| Attempt::Retry(format!("the provider went away: {e}"));
-        if let Err(e) = wire::write_message(&mut w, &RequesterMsg::Submit(submit)).await {
+        if let Err(e) = framing::write_message(&mut w, &RequesterMsg::Submit(submit)).await {
             return lost(e);
         }
         if let Err(e) = w.flush().await {
             return lost(e);
         }
-        let missing = match wire::read_message::<_, ProviderMsg>(&mut r).await {
+        let missing = match framing::read_message::<_, ProviderMsg>(&mut r).await {
             Ok(ProviderMsg::Accepted { missing }) => missing,
             Ok(ProviderMsg::Rejected(rej)) => return refused(rej),
             Ok(other) => return Attempt::Retry(format!("unexpected answer {other:?}")),
@@ -832,13 +833,13 @@ impl NodeHandle {
         let mut cancel_sent = false;
         let mut cancel_deadline: Option<tokio::time::Instant> = None;
         let report = loop {
-            let next = wire::read_message::<_, ProviderMsg>(&mut r);
+            let next = framing::read_message::<_, ProviderMsg>(&mut r);
             let msg = tokio::select! {
                 m = next => m,
                 _ = cancel.changed(), if !cancel_sent => {
                     cancel_sent = true;
                     cancel_deadline = Some(tokio::time::Instant::now() + CANCEL_GRACE);
-                    let _ = wire::write_message(&mut w, &RequesterMsg::Cancel).await;
+                    let _ = framing::write_message(&mut w, &RequesterMsg::Cancel).await;
                     let _ = w.flush().await;
                     continue;
                 }

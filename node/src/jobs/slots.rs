@@ -1,11 +1,12 @@
-//! CPU slots of a provider, handed out give-to-get: when jobs wait for room, the job of
-//! the peer that has given back the most (its standing in the ledger) goes first, and
-//! equal standings go in arrival order.
+//! CPU slots of a provider: when jobs wait for room, they are served in the same order as
+//! lease requests (the requester's [`Rank`]: team role, then what it has given back, then
+//! reputation), and equal ranks go in arrival order.
 
 use std::cmp::Ordering;
 use std::collections::BinaryHeap;
 use std::sync::{Arc, Mutex};
 
+use gpunode_sched::Rank;
 use tokio::sync::oneshot;
 
 /// A pool of slots (one per offered CPU core).
@@ -23,7 +24,7 @@ struct State {
 
 #[derive(Debug)]
 struct Waiter {
-    priority: i128,
+    priority: Rank,
     seq: u64,
     need: u32,
     grant: oneshot::Sender<()>,
@@ -96,7 +97,7 @@ impl Slots {
     }
 
     /// Waits for `need` slots; among waiters, higher `priority` is served first.
-    pub async fn acquire(self: &Arc<Self>, need: u32, priority: i128) -> SlotPermit {
+    pub async fn acquire(self: &Arc<Self>, need: u32, priority: Rank) -> SlotPermit {
         let rx = {
             let mut s = self.lock();
             if s.waiting.is_empty() && s.free >= need {
@@ -170,14 +171,14 @@ mod tests {
     #[tokio::test]
     async fn waiters_are_served_by_standing_then_arrival() {
         let slots = Slots::new(1);
-        let held = slots.acquire(1, 0).await;
+        let held = slots.acquire(1, (0, 0, 0)).await;
         let order = Arc::new(Mutex::new(Vec::new()));
         let mut tasks = Vec::new();
         let arrivals = [
-            ("taker", -50),
-            ("first-equal", 10),
-            ("giver", 500),
-            ("second-equal", 10),
+            ("taker", (0, -50, 5)),
+            ("first-equal", (0, 10, 5)),
+            ("giver", (0, 500, 5)),
+            ("second-equal", (0, 10, 5)),
         ];
         for (n, (name, priority)) in arrivals.into_iter().enumerate() {
             let (s, o) = (slots.clone(), order.clone());
@@ -202,15 +203,15 @@ mod tests {
     #[tokio::test]
     async fn a_waiter_that_gives_up_loses_nothing() {
         let slots = Slots::new(2);
-        let held = slots.acquire(2, 0).await;
+        let held = slots.acquire(2, (0, 0, 0)).await;
         let s = slots.clone();
-        let waiter = tokio::spawn(async move { s.acquire(2, 0).await });
+        let waiter = tokio::spawn(async move { s.acquire(2, (0, 0, 0)).await });
         queued(&slots, 1).await;
         waiter.abort();
         let _ = waiter.await;
         drop(held);
         assert_eq!(slots.free(), 2);
-        let _again = slots.acquire(2, 0).await;
+        let _again = slots.acquire(2, (0, 0, 0)).await;
         assert_eq!(slots.free(), 0);
     }
 }

@@ -1,11 +1,11 @@
-//! Leases and spent nonces in the store, so both survive restarts.
+//! Leases, spent nonces and fair-share usage in the store, so they survive restarts.
 
 use gpunode_protocol::encoding;
-use gpunode_protocol::lease::LeaseId;
 use gpunode_protocol::time::UnixMillis;
 use gpunode_protocol::PeerId;
 
 use super::book::{Change, LeaseBook, LeaseRecord};
+use super::desk::FairShareEntry;
 use crate::store::{Store, StoreError};
 
 const LEASES: &str = "leases";
@@ -21,19 +21,16 @@ fn nonce_key(peer: &PeerId, nonce: u64) -> Vec<u8> {
     k
 }
 
-/// Writes the book's pending changes (durable after the next flush). Returns the
-/// leases among them that no longer hold resources (ended, cancelled, failed).
-pub fn write_changes(store: &Store, book: &mut LeaseBook) -> Result<Vec<LeaseId>, StoreError> {
-    let changes = book.take_changes();
-    let mut ended = Vec::new();
-    for change in &changes {
+/// Store tree of fair-share usage, by user.
+const FAIR_SHARE: &str = "fair_share";
+
+/// Writes `changes` taken from `book` (durable after the next flush).
+pub fn write(store: &Store, book: &LeaseBook, changes: &[Change]) -> Result<(), StoreError> {
+    for change in changes {
         match change {
             Change::Lease(id) => {
                 if let Some(record) = book.get(id) {
                     store.put(LEASES, &id.0, &encoding::encode(record))?;
-                    if !record.state.holds_resources() {
-                        ended.push(*id);
-                    }
                 }
             }
             Change::Nonce(peer, nonce, until) => {
@@ -43,7 +40,33 @@ pub fn write_changes(store: &Store, book: &mut LeaseBook) -> Result<Vec<LeaseId>
             Change::ForgetLease(id) => store.remove(LEASES, &id.0)?,
         }
     }
-    Ok(ended)
+    Ok(())
+}
+
+/// Writes one user's fair-share usage (`None`: forgets it).
+pub fn write_fair_share(
+    store: &Store,
+    user: &str,
+    entry: Option<&FairShareEntry>,
+) -> Result<(), StoreError> {
+    match entry {
+        Some(entry) => store.put(FAIR_SHARE, user.as_bytes(), &encoding::encode(entry)),
+        None => store.remove(FAIR_SHARE, user.as_bytes()),
+    }
+}
+
+/// Every user's stored fair-share usage; entries that do not decode are skipped.
+pub fn load_fair_share(store: &Store) -> Vec<(String, FairShareEntry)> {
+    let mut out = Vec::new();
+    for (k, v) in store.scan(FAIR_SHARE).unwrap_or_default() {
+        if let (Ok(user), Ok(entry)) = (
+            String::from_utf8(k),
+            encoding::decode::<FairShareEntry>(&v, 64),
+        ) {
+            out.push((user, entry));
+        }
+    }
+    out
 }
 
 /// Every stored lease and nonce. Entries that do not decode are skipped with a warning

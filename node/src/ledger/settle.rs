@@ -17,7 +17,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use futures::{AsyncReadExt, AsyncWriteExt, StreamExt};
+use futures::{AsyncReadExt, AsyncWriteExt};
 use gpunode_protocol::encoding;
 use gpunode_protocol::lease::{LeaseId, RejectCode, Rejection};
 use gpunode_protocol::receipt::{
@@ -33,8 +33,8 @@ use tokio::sync::{mpsc, watch};
 use super::meter::UsageMeter;
 use super::reputation::{Outcome, Reputation};
 use super::{credits, Ledger, LedgerError, LedgerWriter, Recorded};
-use crate::jobs::wire;
 use crate::lease::{LeaseRecord, LeaseRole, LeaseState};
+use crate::router::framing;
 use crate::store::Store;
 use crate::NodeHandle;
 
@@ -766,36 +766,30 @@ impl RefusedReceipts {
     }
 }
 
-/// Requester side: serves inbound settle streams until `stop`.
-pub async fn serve_claims(
-    accounts: Arc<Accounts>,
-    node: NodeHandle,
-    mut incoming: libp2p_stream::IncomingStreams,
-    mut stop: watch::Receiver<bool>,
-) {
-    let gate = crate::inbound::StreamGate::new(
-        "settle",
-        MAX_SETTLE_STREAMS,
-        crate::inbound::FIRST_MESSAGE_DEADLINE,
-        node.metrics().clone(),
-    );
-    loop {
-        tokio::select! {
-            next = incoming.next() => match next {
-                Some((peer, stream)) => {
-                    // Past the limit the stream is dropped unread; each exchange is
-                    // bounded in time as a whole.
-                    let Some(permit) = gate.enter() else { continue };
-                    let (a, n) = (accounts.clone(), node.clone());
-                    tokio::spawn(async move {
-                        let _ = tokio::time::timeout(EXCHANGE_TIMEOUT, answer_stream(&a, &n, peer, stream)).await;
-                        drop(permit);
-                    });
-                }
-                None => return,
-            },
-            _ = stop.changed() => return,
-        }
+/// How settle streams are bounded: each exchange as a whole, and how many at once.
+pub const SETTLE_STREAM_LIMITS: crate::router::StreamLimits = crate::router::StreamLimits {
+    max_handlers: MAX_SETTLE_STREAMS,
+    first_message: crate::router::FIRST_MESSAGE_DEADLINE,
+    exchange: Some(EXCHANGE_TIMEOUT),
+};
+
+/// Requester side of settlement: answers the claims providers send (see
+/// [`SETTLE_STREAM_LIMITS`]).
+pub struct ClaimAnswers {
+    /// This node's ledger.
+    pub accounts: Arc<Accounts>,
+    /// The node (its leases, team and metrics).
+    pub node: NodeHandle,
+}
+
+impl crate::router::StreamHandler for ClaimAnswers {
+    fn handle(
+        self: Arc<Self>,
+        peer: PeerId,
+        stream: Stream,
+        _gate: crate::router::StreamGate,
+    ) -> futures::future::BoxFuture<'static, ()> {
+        Box::pin(async move { answer_stream(&self.accounts, &self.node, peer, stream).await })
     }
 }
 
@@ -807,7 +801,7 @@ async fn answer_stream(accounts: &Accounts, node: &NodeHandle, peer: PeerId, str
         return;
     }
     loop {
-        let reply = match wire::read_message::<_, SettleMsg>(&mut r).await {
+        let reply = match framing::read_message::<_, SettleMsg>(&mut r).await {
             Ok(SettleMsg::Claims(claims)) if claims.len() > MAX_CLAIMS_PER_MESSAGE => {
                 SettleReply::Refused(ReceiptRejection::new(
                     ReceiptRefusal::Invalid,
@@ -827,7 +821,7 @@ async fn answer_stream(accounts: &Accounts, node: &NodeHandle, peer: PeerId, str
             }
         };
         let refused = matches!(reply, SettleReply::Refused(_));
-        if wire::write_message(&mut w, &reply).await.is_err() || w.flush().await.is_err() {
+        if framing::write_message(&mut w, &reply).await.is_err() || w.flush().await.is_err() {
             break;
         }
         if refused {
@@ -914,13 +908,13 @@ async fn send_claims(
     let exchange = async {
         let stream = node.open_stream(peer, SETTLE_PROTOCOL).await?;
         let (mut r, mut w) = AsyncReadExt::split(stream);
-        wire::write_message(&mut w, &SettleMsg::Claims(claims.clone()))
+        framing::write_message(&mut w, &SettleMsg::Claims(claims.clone()))
             .await
             .map_err(|e| crate::NodeError::Job(e.to_string()))?;
         w.flush()
             .await
             .map_err(|e| crate::NodeError::Job(e.to_string()))?;
-        let reply = wire::read_message::<_, SettleReply>(&mut r)
+        let reply = framing::read_message::<_, SettleReply>(&mut r)
             .await
             .map_err(|e| crate::NodeError::Job(e.to_string()))?;
         let _ = w.close().await;

@@ -12,8 +12,8 @@ use libp2p::identity::Keypair;
 use libp2p::Multiaddr;
 
 use super::{team_protocol, TeamOpError, TeamState};
-use crate::jobs::wire;
 use crate::network::{build_swarm, SwarmSettings};
+use crate::router::framing;
 
 /// How long joining may take.
 const JOIN_TIMEOUT: Duration = Duration::from_secs(30);
@@ -69,11 +69,11 @@ pub async fn join(
             )
         })?;
         let (mut r, mut w) = AsyncReadExt::split(stream);
-        wire::write_message(&mut w, &request)
+        framing::write_message(&mut w, &request)
             .await
             .map_err(|e| e.to_string())?;
         w.flush().await.map_err(|e| e.to_string())?;
-        let reply = wire::read_message::<_, JoinReply>(&mut r)
+        let reply = framing::read_message::<_, JoinReply>(&mut r)
             .await
             .map_err(|e| {
                 format!(

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use futures::{AsyncReadExt, AsyncWriteExt, StreamExt};
+use futures::{AsyncReadExt, AsyncWriteExt};
 use gpunode_protocol::team::{InviteToken, JoinReply, JoinRequest, Role, TeamSync};
 use gpunode_protocol::time::now_ms;
 use libp2p::identity::Keypair;
@@ -16,7 +16,7 @@ use libp2p::{PeerId, Stream};
 use tokio::sync::watch;
 
 use super::{team_protocol, TeamOpError, TeamState};
-use crate::jobs::wire;
+use crate::router::framing;
 use crate::NodeHandle;
 
 /// How often members compare what they know (revocations reach everyone within about
@@ -404,60 +404,85 @@ impl Team {
     }
 }
 
-/// Runs the team side of a node until `stop`.
-pub async fn run(team: Arc<Team>, node: NodeHandle, mut stop: watch::Receiver<bool>) {
-    let team_id = team.lock().team;
-    let mut control = node.stream_control();
-    let (mut joins, mut syncs, mut renewals) = match (
-        control.accept(team_protocol(&team_id, "join")),
-        control.accept(team_protocol(&team_id, "sync")),
-        control.accept(team_protocol(&team_id, "renew")),
-    ) {
-        (Ok(j), Ok(s), Ok(r)) => (j, s, r),
-        _ => {
-            tracing::error!("cannot accept team streams");
-            return;
+/// How team streams are bounded: each exchange as a whole, and how many at once.
+pub const TEAM_STREAM_LIMITS: crate::router::StreamLimits = crate::router::StreamLimits {
+    max_handlers: MAX_TEAM_STREAMS,
+    first_message: EXCHANGE_TIMEOUT,
+    exchange: Some(EXCHANGE_TIMEOUT),
+};
+
+/// The team's stream protocols, as the router serves them.
+#[derive(Debug, Clone, Copy)]
+pub enum TeamStream {
+    /// A new machine joins with an invite.
+    Join,
+    /// Members exchange certificates, revocations and policy.
+    Sync,
+    /// A member renews its certificate with an admin.
+    Renew,
+}
+
+impl TeamStream {
+    /// Every team stream protocol.
+    pub const ALL: [TeamStream; 3] = [TeamStream::Join, TeamStream::Sync, TeamStream::Renew];
+
+    /// Its protocol name in `team`.
+    pub fn protocol(self, team: &Team) -> libp2p::StreamProtocol {
+        team_protocol(&team.lock().team, self.suffix())
+    }
+
+    fn suffix(self) -> &'static str {
+        match self {
+            TeamStream::Join => "join",
+            TeamStream::Sync => "sync",
+            TeamStream::Renew => "renew",
         }
-    };
+    }
+
+    /// Its label in metrics.
+    pub fn metrics_name(self) -> &'static str {
+        match self {
+            TeamStream::Join => "team_join",
+            TeamStream::Sync => "team_sync",
+            TeamStream::Renew => "team_renew",
+        }
+    }
+}
+
+/// Serves one of the team's stream protocols.
+pub struct TeamStreams {
+    /// The team.
+    pub team: Arc<Team>,
+    /// The node.
+    pub node: NodeHandle,
+    /// Which protocol.
+    pub kind: TeamStream,
+}
+
+impl crate::router::StreamHandler for TeamStreams {
+    fn handle(
+        self: Arc<Self>,
+        peer: PeerId,
+        stream: Stream,
+        _gate: crate::router::StreamGate,
+    ) -> futures::future::BoxFuture<'static, ()> {
+        Box::pin(async move {
+            match self.kind {
+                TeamStream::Join => serve_join(&self.team, &self.node, peer, stream).await,
+                TeamStream::Sync => serve_sync(&self.team, &self.node, peer, stream).await,
+                TeamStream::Renew => serve_renewal(&self.team, peer, stream).await,
+            }
+        })
+    }
+}
+
+/// Runs the team's upkeep until `stop`: who may connect as certificates and invites
+/// expire, renewal of this member's certificate, sync with members, quota use saved.
+pub async fn run(team: Arc<Team>, node: NodeHandle, mut stop: watch::Receiver<bool>) {
     node.set_team_allowed(team.allowed()).await;
-    // Each exchange is bounded in time as a whole; these bound how many run at once.
-    let gate = |name| {
-        crate::inbound::StreamGate::new(
-            name,
-            MAX_TEAM_STREAMS,
-            EXCHANGE_TIMEOUT,
-            node.metrics().clone(),
-        )
-    };
-    let (join_gate, sync_gate, renew_gate) =
-        (gate("team_join"), gate("team_sync"), gate("team_renew"));
     let mut every = tokio::time::interval(SYNC_EVERY);
     loop {
         tokio::select! {
-            Some((peer, stream)) = joins.next() => {
-                let Some(permit) = join_gate.enter() else { continue };
-                let (t, n) = (team.clone(), node.clone());
-                tokio::spawn(async move {
-                    let _ = tokio::time::timeout(EXCHANGE_TIMEOUT, serve_join(&t, &n, peer, stream)).await;
-                    drop(permit);
-                });
-            }
-            Some((peer, stream)) = syncs.next() => {
-                let Some(permit) = sync_gate.enter() else { continue };
-                let (t, n) = (team.clone(), node.clone());
-                tokio::spawn(async move {
-                    let _ = tokio::time::timeout(EXCHANGE_TIMEOUT, serve_sync(&t, &n, peer, stream)).await;
-                    drop(permit);
-                });
-            }
-            Some((peer, stream)) = renewals.next() => {
-                let Some(permit) = renew_gate.enter() else { continue };
-                let t = team.clone();
-                tokio::spawn(async move {
-                    let _ = tokio::time::timeout(EXCHANGE_TIMEOUT, serve_renewal(&t, peer, stream)).await;
-                    drop(permit);
-                });
-            }
             _ = every.tick() => {
                 team.save_grants();
                 if let Some(allowed) = team.tick() {
@@ -485,14 +510,14 @@ fn grants_file(data_dir: &std::path::Path) -> PathBuf {
 
 async fn serve_join(team: &Team, node: &NodeHandle, peer: PeerId, stream: Stream) {
     let (mut r, mut w) = AsyncReadExt::split(stream);
-    let (reply, allowed) = match wire::read_message::<_, JoinRequest>(&mut r).await {
+    let (reply, allowed) = match framing::read_message::<_, JoinRequest>(&mut r).await {
         Ok(req) => team.answer_join(peer, req),
         Err(e) => (
             JoinReply::Refused(format!("malformed join request: {e}")),
             None,
         ),
     };
-    let _ = wire::write_message(&mut w, &reply).await;
+    let _ = framing::write_message(&mut w, &reply).await;
     let _ = w.flush().await;
     let _ = w.close().await;
     // Only now: a spent invite's join identity is dropped with this, after its answer.
@@ -507,11 +532,11 @@ async fn serve_join(team: &Team, node: &NodeHandle, peer: PeerId, stream: Stream
 async fn serve_renewal(team: &Team, peer: PeerId, stream: Stream) {
     let (mut r, mut w) = AsyncReadExt::split(stream);
     let reply =
-        match wire::read_message::<_, gpunode_protocol::team::SignedCertificate>(&mut r).await {
+        match framing::read_message::<_, gpunode_protocol::team::SignedCertificate>(&mut r).await {
             Ok(current) => team.answer_renewal(peer, current),
             Err(_) => None,
         };
-    let _ = wire::write_message(&mut w, &reply).await;
+    let _ = framing::write_message(&mut w, &reply).await;
     let _ = w.flush().await;
     let _ = w.close().await;
 }
@@ -544,12 +569,14 @@ async fn renew_from_admin(team: &Team, node: &NodeHandle) {
                 .await
                 .ok()?;
             let (mut r, mut w) = AsyncReadExt::split(stream);
-            wire::write_message(&mut w, &own).await.ok()?;
+            framing::write_message(&mut w, &own).await.ok()?;
             w.flush().await.ok()?;
             let reply =
-                wire::read_message::<_, Option<gpunode_protocol::team::SignedCertificate>>(&mut r)
-                    .await
-                    .ok()?;
+                framing::read_message::<_, Option<gpunode_protocol::team::SignedCertificate>>(
+                    &mut r,
+                )
+                .await
+                .ok()?;
             let _ = w.close().await;
             reply
         };
@@ -581,12 +608,12 @@ async fn serve_sync(team: &Team, node: &NodeHandle, peer: PeerId, stream: Stream
         let _ = w.close().await;
         return;
     }
-    match wire::read_message::<_, TeamSync>(&mut r).await {
+    match framing::read_message::<_, TeamSync>(&mut r).await {
         Ok(sync) => {
             if let Some(a) = team.merge(sync) {
                 node.set_team_allowed(a).await;
             }
-            let _ = wire::write_message(&mut w, &team.sync_msg()).await;
+            let _ = framing::write_message(&mut w, &team.sync_msg()).await;
             let _ = w.flush().await;
         }
         Err(e) => tracing::debug!(%peer, "bad team sync: {e}"),
@@ -615,9 +642,9 @@ pub(crate) async fn sync_with_members(team: &Team, node: &NodeHandle) {
                 .await
                 .ok()?;
             let (mut r, mut w) = AsyncReadExt::split(stream);
-            wire::write_message(&mut w, &msg).await.ok()?;
+            framing::write_message(&mut w, &msg).await.ok()?;
             w.flush().await.ok()?;
-            let reply = wire::read_message::<_, TeamSync>(&mut r).await.ok()?;
+            let reply = framing::read_message::<_, TeamSync>(&mut r).await.ok()?;
             let _ = w.close().await;
             Some(reply)
         };
