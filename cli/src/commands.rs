@@ -184,7 +184,7 @@ fn offer_filter(args: &OffersArgs) -> Result<OfferFilter> {
     };
     Ok(OfferFilter {
         gpu_model: args.gpu_model.clone(),
-        gpu_slice: args.gpu_slice.clone(),
+        gpu_slice: args.slice.gpu_slice.clone(),
         min_gpu_mem_bytes,
         gpus: args.gpus,
         backend: args.backend.clone(),
@@ -329,20 +329,21 @@ async fn lease_request(
     args: LeaseRequestArgs,
 ) -> Result<ExitCode> {
     let spec = LeaseSpec {
-        peer: args.peer.clone(),
-        gpus: args.gpus,
+        peer: args.provider.peer.clone(),
+        gpus: args.provider.gpus,
         gpu_model: args.gpu_model.clone(),
-        gpu_slice: args.gpu_slice.clone(),
+        gpu_slice: args.slice.gpu_slice.clone(),
         min_gpu_mem_bytes: args
+            .size
             .min_gpu_mem
             .as_deref()
             .map(|m| parse_size("min-gpu-mem", m))
             .transpose()?,
-        cpus: args.cpus,
-        mem_bytes: parse_size("mem", &args.mem)?,
+        cpus: args.size.cpus,
+        mem_bytes: parse_size("mem", &args.size.mem)?,
         backend: args.backend.clone(),
         duration_ms: parse_time("duration", &args.duration)?.as_millis() as u64,
-        max_price: args.max_price,
+        max_price: args.price.max_price,
         exclude: Vec::new(),
         kind: if args.batch {
             gpunode_protocol::team::JobKind::Batch
