@@ -1,25 +1,24 @@
 //! `gpunode`: share GPUs peer to peer.
 //!
-//! The binary is thin: it parses flags (clap), folds them over the config file, and
-//! calls into `gpunode-node`. Commands that need the daemon talk to it over the local
-//! API socket; `offers` starts a short-lived client node when no daemon runs. Errors are
-//! printed once, with their causes, and exit with code 2.
+//! The binary is thin: it parses flags (clap, in [`args`]), folds them over the config
+//! file, and calls into `gpunode-node` from one module per command group ([`cmd`]).
+//! Whether a command talks to the daemon over the local API socket or starts a node
+//! in this process is decided in [`target`]. Errors are printed once, with their
+//! causes, and exit with code 2.
 
 mod args;
-mod commands;
-mod jobs;
-mod ledger;
+mod cmd;
+mod helpers;
 mod output;
-mod team;
+mod target;
 
 use std::process::ExitCode;
 
-use args::{
-    Cli, Command, JobArgs, LeaseCancelArgs, LeaseCommand, LeaseRenewArgs, LeaseRequestArgs,
-    LeasesArgs, LedgerAction, LedgerArgs, LogsArgs, NetworkArgs, OffersArgs, PolicyAction,
-    ReservationAction, ReservationsArgs, RunArgs, ServeArgs, StatusArgs, TeamCommand, WhyArgs,
-};
+use anyhow::Result;
 use clap::Parser;
+use gpunode_node::DataDir;
+
+use crate::args::{Cli, Command, LeaseCommand, ReservationAction, ReservationsArgs};
 
 fn main() -> ExitCode {
     // A provider runs each wasm task in a child process of this same binary.
@@ -37,7 +36,7 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    match runtime.block_on(commands::run(cli)) {
+    match runtime.block_on(dispatch(cli)) {
         Ok(code) => code,
         Err(err) => {
             if is_broken_pipe(&err) {
@@ -49,6 +48,47 @@ fn main() -> ExitCode {
             }
             ExitCode::from(2)
         }
+    }
+}
+
+/// Runs the command the flags name.
+async fn dispatch(cli: Cli) -> Result<ExitCode> {
+    let data_dir = match &cli.data_dir {
+        Some(d) => DataDir::new(d),
+        None => DataDir::default_location()?,
+    };
+    let config = helpers::load_config(cli.config.as_deref())?;
+    match cli.command {
+        Command::Serve(args) => cmd::serve::serve(data_dir, config, args).await,
+        Command::Offers(args) => cmd::offers::offers(data_dir, config, args).await,
+        Command::Status(args) => cmd::status::status(data_dir, args).await,
+        Command::Id => cmd::status::id(&data_dir),
+        Command::Lease(LeaseCommand::Request(args)) => {
+            cmd::lease::request(data_dir, config, args).await
+        }
+        Command::Lease(LeaseCommand::Renew(args)) => {
+            cmd::lease::renew(data_dir, config, args).await
+        }
+        Command::Lease(LeaseCommand::Cancel(args)) => {
+            cmd::lease::cancel(data_dir, config, args).await
+        }
+        Command::Leases(args) => cmd::lease::leases(data_dir, config, args).await,
+        Command::Reserve(args) => cmd::lease::request(data_dir, config, args.into()).await,
+        Command::Reservations(ReservationsArgs { action, json }) => match action {
+            Some(ReservationAction::Cancel(args)) => {
+                cmd::lease::cancel(data_dir, config, args).await
+            }
+            Some(ReservationAction::Renew(args)) => cmd::lease::renew(data_dir, config, args).await,
+            None => cmd::lease::reservations(data_dir, config, json).await,
+        },
+        Command::Run(args) => cmd::run::run(data_dir, config, args).await,
+        Command::Jobs(args) => cmd::jobs::jobs(data_dir, args.json).await,
+        Command::Logs(args) => cmd::jobs::logs(data_dir, args).await,
+        Command::Cancel(args) => cmd::jobs::cancel(data_dir, args).await,
+        Command::Why(args) => cmd::jobs::why(data_dir, args).await,
+        Command::Ledger(args) => cmd::ledger::ledger(data_dir, config, args).await,
+        Command::Peers(args) => cmd::ledger::peers(data_dir, config, args.json).await,
+        Command::Team(team) => cmd::team::team(data_dir, team).await,
     }
 }
 
