@@ -1,541 +1,24 @@
 //! `gpunode`: share GPUs peer to peer.
 //!
-//! The binary is thin: it parses flags (clap), folds them over the config file, and
-//! calls into `gpunode-node`. Commands that need the daemon talk to it over the local
-//! API socket; `offers` starts a short-lived client node when no daemon runs. Errors are
-//! printed once, with their causes, and exit with code 2.
+//! The binary is thin: it parses flags (clap, in [`args`]), folds them over the config
+//! file, and calls into `gpunode-node` from one module per command group ([`cmd`]).
+//! Whether a command talks to the daemon over the local API socket or starts a node
+//! in this process is decided in [`target`]. Errors are printed once, with their
+//! causes, and exit with code 2.
 
-mod commands;
-mod jobs;
-mod ledger;
+mod args;
+mod cmd;
+mod helpers;
 mod output;
-mod team;
+mod target;
 
-use std::path::PathBuf;
 use std::process::ExitCode;
 
-use clap::{Args, Parser, Subcommand};
+use anyhow::Result;
+use clap::Parser;
+use gpunode_node::DataDir;
 
-/// Share idle GPUs with peers, and run work on theirs, without any central server.
-#[derive(Debug, Parser)]
-#[command(name = "gpunode", version, about, long_about = None, propagate_version = true)]
-struct Cli {
-    /// Data directory holding identity key, store and control socket
-    /// [default: ~/.local/share/gpunode].
-    #[arg(long, global = true, env = "GPUNODE_DATA_DIR", value_name = "DIR")]
-    data_dir: Option<PathBuf>,
-    /// Config file (TOML) [default: ~/.config/gpunode/config.toml].
-    #[arg(long, global = true, env = "GPUNODE_CONFIG", value_name = "FILE")]
-    config: Option<PathBuf>,
-    #[command(subcommand)]
-    command: Command,
-}
-
-#[derive(Debug, Subcommand)]
-enum Command {
-    /// Run a node that lends this machine's idle GPUs (runs until Ctrl-C or SIGTERM).
-    Serve(ServeArgs),
-    /// List providers currently offering matching resources.
-    Offers(OffersArgs),
-    /// Show the local node: peer id, addresses, peers, advert and GPUs.
-    Status(StatusArgs),
-    /// Print this node's peer id (creating the identity on first use).
-    Id,
-    /// Negotiate, renew or cancel a GPU lease.
-    #[command(subcommand)]
-    Lease(LeaseCommand),
-    /// List leases on this node, as provider and as requester.
-    Leases(LeasesArgs),
-    /// Book GPUs for later: a signed lease that starts at --at and lasts --for; run jobs
-    /// in it with `gpunode run --reservation ID`.
-    Reserve(ReserveArgs),
-    /// List your reservations (leases that start later); cancel or renew one.
-    Reservations(ReservationsArgs),
-    /// Run a WASI task (.wasm or .wat) on a provider: output streams back live, output
-    /// files land in --output, and the exit code is the task's.
-    Run(RunArgs),
-    /// List jobs submitted through the daemon.
-    Jobs(JobsArgs),
-    /// Print a job's output (stdout and stderr).
-    Logs(LogsArgs),
-    /// Stop a running job.
-    Cancel(JobArgs),
-    /// Why a job is not running (yet): what each provider said, and what would help.
-    Why(WhyArgs),
-    /// Credits: balance, balance with each peer, recent entries; verify or export the
-    /// hash-chained ledger.
-    Ledger(LedgerArgs),
-    /// Known peers with reputation, jobs done for us, failures, disputes and balance.
-    Peers(PeersArgs),
-    /// Private team networks: create, invite, join, members, add, revoke, leave.
-    #[command(subcommand)]
-    Team(TeamCommand),
-}
-
-#[derive(Debug, Subcommand)]
-enum TeamCommand {
-    /// Make a team key on this machine (its admin) and print the team id.
-    Create {
-        /// A name for the team (shown locally).
-        name: String,
-    },
-    /// Print a join token for a new machine (needs the running daemon).
-    Invite {
-        /// How long the token works, e.g. 7d, 12h.
-        #[arg(long, value_name = "DURATION", default_value = "7d")]
-        expires: String,
-        /// How many machines may join with it.
-        #[arg(long, value_name = "N", default_value_t = 1)]
-        uses: u32,
-        /// member or admin.
-        #[arg(long, default_value = "member")]
-        role: String,
-    },
-    /// Join the team of TOKEN (with the daemon stopped).
-    Join {
-        /// The token `gpunode team invite` printed.
-        token: String,
-    },
-    /// List the team's members.
-    Members {
-        /// Print JSON instead of a table.
-        #[arg(long)]
-        json: bool,
-    },
-    /// Admit a known peer id without a token (admins).
-    Add {
-        /// The peer id.
-        peer: String,
-        /// member or admin.
-        #[arg(long, default_value = "member")]
-        role: String,
-    },
-    /// Revoke a member (admins): it loses access and its leases.
-    Revoke {
-        /// The peer id.
-        peer: String,
-    },
-    /// Leave the team (with the daemon stopped).
-    Leave,
-    /// Show or set the team policy (quotas, priorities, allowance, time windows).
-    Policy {
-        #[command(subcommand)]
-        action: PolicyAction,
-    },
-}
-
-#[derive(Debug, Subcommand)]
-enum PolicyAction {
-    /// Print the current policy as an editable file.
-    Show,
-    /// Sign and spread the policy in FILE (admins); see docs/teams.md for the format.
-    Set {
-        /// The policy file (TOML).
-        file: std::path::PathBuf,
-    },
-}
-
-#[derive(Debug, Args)]
-struct LedgerArgs {
-    #[command(subcommand)]
-    action: Option<LedgerAction>,
-    /// Print JSON instead of text.
-    #[arg(long)]
-    json: bool,
-    /// How many recent entries to show.
-    #[arg(long, value_name = "N", default_value_t = 10)]
-    recent: usize,
-}
-
-#[derive(Debug, Subcommand)]
-enum LedgerAction {
-    /// Check the whole chain and every signature; names the first bad entry.
-    Verify {
-        /// Print JSON instead of text.
-        #[arg(long)]
-        json: bool,
-    },
-    /// Write every entry to stdout.
-    Export {
-        /// csv or json.
-        #[arg(long, value_name = "FORMAT", default_value = "csv")]
-        format: String,
-    },
-}
-
-#[derive(Debug, Args)]
-struct PeersArgs {
-    /// Print JSON instead of a table.
-    #[arg(long)]
-    json: bool,
-}
-
-#[derive(Debug, Args)]
-struct RunArgs {
-    #[command(flatten)]
-    net: NetworkArgs,
-    /// The task: a WASI preview 1 module (.wasm) or its text form (.wat). Container
-    /// jobs take none: their command follows `--`.
-    #[arg(value_name = "TASK")]
-    task: Option<PathBuf>,
-    /// Executor: `wasm` (a TASK file) or `container` (a command after `--`, under
-    /// bubblewrap, with GPUs) [default: container with --image or --host-env, else wasm].
-    #[arg(long, value_name = "BACKEND", value_parser = ["wasm", "container"])]
-    backend: Option<String>,
-    /// Container image archive to run in (`docker save`, `podman save`, OCI archive).
-    #[arg(long, value_name = "ARCHIVE", conflicts_with = "host_env")]
-    image: Option<PathBuf>,
-    /// Run the container on the provider's own system software, read-only (where the
-    /// provider allows it): for machines that already carry CUDA and PyTorch.
-    #[arg(long)]
-    host_env: bool,
-    /// File or directory the task sees under /input (repeatable).
-    #[arg(long, value_name = "PATH")]
-    input: Vec<PathBuf>,
-    /// Where the files the task writes to /output go: DIR itself when it does not exist
-    /// yet, else a new DIR/JOB_ID; nothing there is ever replaced
-    /// [default: ./gpunode-out/JOB_ID].
-    #[arg(long, value_name = "DIR")]
-    output: Option<PathBuf>,
-    /// Most bytes of outputs the provider may send back, e.g. 2G [default: 16G].
-    #[arg(long, value_name = "SIZE")]
-    max_output: Option<String>,
-    /// Most output files the provider may send back [default: 10000].
-    #[arg(long, value_name = "N")]
-    max_output_files: Option<u32>,
-    /// GPUs to lease.
-    #[arg(long, default_value_t = 0)]
-    gpus: u32,
-    /// GPU model or family, e.g. A100.
-    #[arg(long, value_name = "MODEL")]
-    gpu_model: Option<String>,
-    /// A MIG slice instead of a whole GPU, e.g. 1g.18gb (see `gpunode offers`).
-    #[arg(long, value_name = "PROFILE")]
-    gpu_slice: Option<String>,
-    /// CPU cores to lease.
-    #[arg(long, default_value_t = 1)]
-    cpus: u32,
-    /// Memory to lease; also the task's memory limit, e.g. 2G.
-    #[arg(long, value_name = "SIZE", default_value = "512M")]
-    mem: String,
-    /// Wall-clock limit of the task, e.g. 10m.
-    #[arg(long, value_name = "DURATION", default_value = "10m")]
-    timeout: String,
-    /// Highest acceptable price, credits per GPU-hour.
-    #[arg(long, value_name = "CREDITS")]
-    max_price: Option<f64>,
-    /// Run on this provider only (peer id).
-    #[arg(long, value_name = "PEER")]
-    peer: Option<String>,
-    /// Environment variable for the task, NAME=VALUE (repeatable).
-    #[arg(long, value_name = "NAME=VALUE")]
-    env: Vec<String>,
-    /// Other providers to try if one fails before the task ends.
-    #[arg(long, value_name = "N", default_value_t = 2)]
-    retries: u32,
-    /// Instruction budget (deterministic metering; slower).
-    #[arg(long, value_name = "UNITS")]
-    fuel: Option<u64>,
-    /// Run on N different providers and compare outputs; a disagreement is broken by
-    /// one more run and costs the odd one out reputation (deterministic tasks only).
-    #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=5))]
-    replicas: u32,
-    /// Unattended batch work (team policies may allow it only at some hours).
-    #[arg(long)]
-    batch: bool,
-    /// When no provider can take the job now, wait and ask again until one can
-    /// [default inside a team].
-    #[arg(long, conflicts_with = "no_wait")]
-    wait: bool,
-    /// Fail at once when no provider can take the job now [default outside a team].
-    #[arg(long)]
-    no_wait: bool,
-    /// Run inside this reservation (id or prefix, see `gpunode reservations`), waiting for
-    /// its start.
-    #[arg(long, value_name = "ID", conflicts_with_all = ["peer", "replicas"])]
-    reservation: Option<String>,
-    /// Submit to the daemon, print the job id and return.
-    #[arg(long)]
-    detach: bool,
-    /// No progress bars or status lines, only the task's output.
-    #[arg(long, short)]
-    quiet: bool,
-    /// Arguments passed to the task; for container jobs, the command and its arguments.
-    #[arg(last = true, value_name = "ARGS")]
-    args: Vec<String>,
-}
-
-#[derive(Debug, Args)]
-struct WhyArgs {
-    /// Job id (or a unique prefix).
-    job: String,
-    /// Print JSON instead of sentences.
-    #[arg(long)]
-    json: bool,
-}
-
-#[derive(Debug, Args)]
-struct JobsArgs {
-    /// Print JSON instead of a table.
-    #[arg(long)]
-    json: bool,
-}
-
-#[derive(Debug, Args)]
-struct LogsArgs {
-    /// Job id (or a unique prefix).
-    job: String,
-    /// Keep printing until the job ends.
-    #[arg(long, short)]
-    follow: bool,
-}
-
-#[derive(Debug, Args)]
-struct JobArgs {
-    /// Job id (or a unique prefix).
-    job: String,
-}
-
-#[derive(Debug, Subcommand)]
-enum LeaseCommand {
-    /// Find a provider (or ask --peer), negotiate a signed lease and print it.
-    Request(LeaseRequestArgs),
-    /// Extend an active lease you hold.
-    Renew(LeaseRenewArgs),
-    /// End a lease now (either side); its resources are released at once.
-    Cancel(LeaseCancelArgs),
-}
-
-#[derive(Debug, Args)]
-struct LeaseRequestArgs {
-    #[command(flatten)]
-    net: NetworkArgs,
-    /// Ask this provider only (peer id).
-    #[arg(long, value_name = "PEER")]
-    peer: Option<String>,
-    /// Number of GPUs.
-    #[arg(long, default_value_t = 1)]
-    gpus: u32,
-    /// GPU model or family, e.g. A100.
-    #[arg(long, value_name = "MODEL")]
-    gpu_model: Option<String>,
-    /// A MIG slice instead of a whole GPU, e.g. 1g.18gb (see `gpunode offers`).
-    #[arg(long, value_name = "PROFILE")]
-    gpu_slice: Option<String>,
-    /// Least memory per GPU, e.g. 24G.
-    #[arg(long, value_name = "SIZE")]
-    min_gpu_mem: Option<String>,
-    /// CPU cores.
-    #[arg(long, default_value_t = 1)]
-    cpus: u32,
-    /// RAM, e.g. 16G.
-    #[arg(long, value_name = "SIZE", default_value = "1G")]
-    mem: String,
-    /// How long, e.g. 30m.
-    #[arg(long, value_name = "DURATION")]
-    duration: String,
-    /// Highest acceptable price, credits per GPU-hour.
-    #[arg(long, value_name = "CREDITS")]
-    max_price: Option<f64>,
-    /// Executor: wasm or container.
-    #[arg(long, default_value = "wasm")]
-    backend: String,
-    /// Print JSON instead of text.
-    #[arg(long)]
-    json: bool,
-    /// Unattended batch work (team policies may allow it only at some hours).
-    #[arg(long)]
-    batch: bool,
-    /// Start later (a reservation): "2026-12-01 20:00" (UTC), or with +01:00 or Z.
-    #[arg(long, value_name = "TIME")]
-    at: Option<String>,
-}
-
-#[derive(Debug, Args)]
-struct ReserveArgs {
-    #[command(flatten)]
-    net: NetworkArgs,
-    /// Ask this provider only (peer id).
-    #[arg(long, value_name = "PEER")]
-    peer: Option<String>,
-    /// Number of GPUs.
-    #[arg(long, default_value_t = 1)]
-    gpus: u32,
-    /// GPU model or family, e.g. H100.
-    #[arg(long, value_name = "MODEL")]
-    gpu_model: Option<String>,
-    /// Least memory per GPU, e.g. 24G.
-    #[arg(long, value_name = "SIZE")]
-    min_gpu_mem: Option<String>,
-    /// CPU cores.
-    #[arg(long, default_value_t = 1)]
-    cpus: u32,
-    /// RAM, e.g. 16G.
-    #[arg(long, value_name = "SIZE", default_value = "1G")]
-    mem: String,
-    /// Executor: wasm or container.
-    #[arg(long, default_value = "wasm")]
-    backend: String,
-    /// When it starts: "2026-12-01 20:00" (UTC), or with +01:00 or Z.
-    #[arg(long, value_name = "TIME")]
-    at: String,
-    /// How long, e.g. 3h.
-    #[arg(long = "for", value_name = "DURATION")]
-    length: String,
-    /// Highest acceptable price, credits per GPU-hour.
-    #[arg(long, value_name = "CREDITS")]
-    max_price: Option<f64>,
-    /// Print JSON instead of text.
-    #[arg(long)]
-    json: bool,
-}
-
-impl From<ReserveArgs> for LeaseRequestArgs {
-    fn from(r: ReserveArgs) -> LeaseRequestArgs {
-        LeaseRequestArgs {
-            net: r.net,
-            peer: r.peer,
-            gpus: r.gpus,
-            gpu_model: r.gpu_model,
-            gpu_slice: None,
-            min_gpu_mem: r.min_gpu_mem,
-            cpus: r.cpus,
-            mem: r.mem,
-            duration: r.length,
-            max_price: r.max_price,
-            backend: r.backend,
-            json: r.json,
-            batch: false,
-            at: Some(r.at),
-        }
-    }
-}
-
-#[derive(Debug, Args)]
-struct ReservationsArgs {
-    #[command(subcommand)]
-    action: Option<ReservationAction>,
-    /// Print JSON instead of a table.
-    #[arg(long)]
-    json: bool,
-}
-
-#[derive(Debug, Subcommand)]
-enum ReservationAction {
-    /// Give a reservation back (before or during it).
-    Cancel(LeaseCancelArgs),
-    /// Make a reservation longer.
-    Renew(LeaseRenewArgs),
-}
-
-#[derive(Debug, Args)]
-struct LeaseRenewArgs {
-    #[command(flatten)]
-    net: NetworkArgs,
-    /// Lease id (or a unique prefix of at least 4 hex digits).
-    id: String,
-    /// How much longer, e.g. 30m.
-    #[arg(long = "for", value_name = "DURATION")]
-    extend: String,
-    /// Print JSON instead of text.
-    #[arg(long)]
-    json: bool,
-}
-
-#[derive(Debug, Args)]
-struct LeaseCancelArgs {
-    #[command(flatten)]
-    net: NetworkArgs,
-    /// Lease id (or a unique prefix of at least 4 hex digits).
-    id: String,
-    /// Print JSON instead of text.
-    #[arg(long)]
-    json: bool,
-}
-
-#[derive(Debug, Args)]
-struct LeasesArgs {
-    /// Print JSON instead of a table.
-    #[arg(long)]
-    json: bool,
-}
-
-/// Network flags shared by commands that start a node.
-#[derive(Debug, Args, Clone, Default)]
-struct NetworkArgs {
-    /// Peer to connect to at start, as a multiaddr (repeatable; adds to the config's list).
-    #[arg(long, value_name = "MULTIADDR")]
-    bootstrap: Vec<String>,
-    /// Do not look for peers on the local network by mDNS.
-    #[arg(long)]
-    no_mdns: bool,
-    /// Without a daemon: how long to look for peers before asking, e.g. 5s.
-    #[arg(long, value_name = "DURATION", default_value = "5s")]
-    discover_for: String,
-}
-
-#[derive(Debug, Args)]
-struct ServeArgs {
-    #[command(flatten)]
-    net: NetworkArgs,
-    /// Address to listen on (repeatable; replaces the config's list),
-    /// e.g. /ip4/0.0.0.0/udp/4170/quic-v1 or /ip4/0.0.0.0/tcp/4170.
-    #[arg(long, value_name = "MULTIADDR")]
-    listen: Vec<String>,
-    /// Serve simulated GPUs (test networks only), e.g. 2xA100-80GB,1xT4-16GB.
-    #[arg(long, value_name = "SPEC")]
-    simulate_gpus: Option<String>,
-    /// Price per GPU-hour, in credits.
-    #[arg(long, value_name = "CREDITS")]
-    price: Option<f64>,
-    /// Executors to offer, comma separated (wasm, container).
-    #[arg(long, value_name = "LIST", value_delimiter = ',')]
-    backends: Option<Vec<String>>,
-    /// Also serve /metrics on this localhost address, e.g. 127.0.0.1:9464.
-    #[arg(long, value_name = "ADDR")]
-    metrics_addr: Option<String>,
-    /// How long an advert stays valid, e.g. 10m.
-    #[arg(long, value_name = "DURATION")]
-    advert_ttl: Option<String>,
-    /// How often to read the GPU inventory, e.g. 2s.
-    #[arg(long, value_name = "DURATION")]
-    inventory_poll: Option<String>,
-    /// Pre-shared key for TCP (64 hex digits, the same on every team machine): hides
-    /// the node from anyone without it. QUIC cannot use it.
-    #[arg(long, value_name = "HEX")]
-    team_psk: Option<String>,
-}
-
-#[derive(Debug, Args)]
-struct OffersArgs {
-    #[command(flatten)]
-    net: NetworkArgs,
-    /// GPU model or family, e.g. A100, H100, RTX4090.
-    #[arg(long, value_name = "MODEL")]
-    gpu_model: Option<String>,
-    /// A MIG slice instead of a whole GPU, e.g. 1g.18gb (see `gpunode offers`).
-    #[arg(long, value_name = "PROFILE")]
-    gpu_slice: Option<String>,
-    /// Least memory per GPU, e.g. 40G.
-    #[arg(long, value_name = "SIZE")]
-    min_gpu_mem: Option<String>,
-    /// Least number of matching GPUs.
-    #[arg(long, value_name = "N")]
-    gpus: Option<u32>,
-    /// Backend the provider must offer (wasm, container).
-    #[arg(long, value_name = "NAME")]
-    backend: Option<String>,
-    /// Print JSON instead of a table.
-    #[arg(long)]
-    json: bool,
-}
-
-#[derive(Debug, Args)]
-struct StatusArgs {
-    /// Print JSON instead of text.
-    #[arg(long)]
-    json: bool,
-}
+use crate::args::{Cli, Command, LeaseCommand, ReservationAction, ReservationsArgs};
 
 fn main() -> ExitCode {
     // A provider runs each wasm task in a child process of this same binary.
@@ -553,7 +36,7 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    match runtime.block_on(commands::run(cli)) {
+    match runtime.block_on(dispatch(cli)) {
         Ok(code) => code,
         Err(err) => {
             if is_broken_pipe(&err) {
@@ -565,6 +48,47 @@ fn main() -> ExitCode {
             }
             ExitCode::from(2)
         }
+    }
+}
+
+/// Runs the command the flags name.
+async fn dispatch(cli: Cli) -> Result<ExitCode> {
+    let data_dir = match &cli.data_dir {
+        Some(d) => DataDir::new(d),
+        None => DataDir::default_location()?,
+    };
+    let config = helpers::load_config(cli.config.as_deref())?;
+    match cli.command {
+        Command::Serve(args) => cmd::serve::serve(data_dir, config, args).await,
+        Command::Offers(args) => cmd::offers::offers(data_dir, config, args).await,
+        Command::Status(args) => cmd::status::status(data_dir, args).await,
+        Command::Id => cmd::status::id(&data_dir),
+        Command::Lease(LeaseCommand::Request(args)) => {
+            cmd::lease::request(data_dir, config, args).await
+        }
+        Command::Lease(LeaseCommand::Renew(args)) => {
+            cmd::lease::renew(data_dir, config, args).await
+        }
+        Command::Lease(LeaseCommand::Cancel(args)) => {
+            cmd::lease::cancel(data_dir, config, args).await
+        }
+        Command::Leases(args) => cmd::lease::leases(data_dir, config, args).await,
+        Command::Reserve(args) => cmd::lease::request(data_dir, config, args.into()).await,
+        Command::Reservations(ReservationsArgs { action, json }) => match action {
+            Some(ReservationAction::Cancel(args)) => {
+                cmd::lease::cancel(data_dir, config, args).await
+            }
+            Some(ReservationAction::Renew(args)) => cmd::lease::renew(data_dir, config, args).await,
+            None => cmd::lease::reservations(data_dir, config, json).await,
+        },
+        Command::Run(args) => cmd::run::run(data_dir, config, args).await,
+        Command::Jobs(args) => cmd::jobs::jobs(data_dir, args.json).await,
+        Command::Logs(args) => cmd::jobs::logs(data_dir, args).await,
+        Command::Cancel(args) => cmd::jobs::cancel(data_dir, args).await,
+        Command::Why(args) => cmd::jobs::why(data_dir, args).await,
+        Command::Ledger(args) => cmd::ledger::ledger(data_dir, config, args).await,
+        Command::Peers(args) => cmd::ledger::peers(data_dir, config, args.json).await,
+        Command::Team(team) => cmd::team::team(data_dir, team).await,
     }
 }
 

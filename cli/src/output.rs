@@ -4,8 +4,10 @@ use std::collections::BTreeMap;
 use std::io::{self, Write};
 use std::time::Duration;
 
+use gpunode_node::inventory::InventorySnapshot;
+use gpunode_node::jobs::RunningJobView;
 use gpunode_node::{NodeStatus, OfferView};
-use gpunode_protocol::gpu::GpuState;
+use gpunode_protocol::gpu::{GpuInfo, GpuState};
 use gpunode_protocol::time::now_ms;
 use gpunode_protocol::units::{format_age, format_bytes};
 
@@ -172,6 +174,15 @@ pub fn print_status(out: &mut impl Write, s: &NodeStatus) -> io::Result<()> {
     if inv.gpus.is_empty() {
         return writeln!(out, "GPUs:           none found (serving CPU-only)");
     }
+    print_gpus(out, inv)?;
+    if s.running_jobs.is_empty() {
+        return Ok(());
+    }
+    print_running_jobs(out, &s.running_jobs)
+}
+
+/// The local GPU table of `gpunode status`.
+fn print_gpus(out: &mut impl Write, inv: &InventorySnapshot) -> io::Result<()> {
     let kind = if inv.simulated() {
         "simulated".to_string()
     } else {
@@ -181,58 +192,56 @@ pub fn print_status(out: &mut impl Write, s: &NodeStatus) -> io::Result<()> {
         )
     };
     writeln!(out, "GPUs ({kind}):")?;
-    let rows: Vec<Vec<String>> = inv
-        .gpus
-        .iter()
-        .map(|g| {
-            vec![
-                g.index.to_string(),
-                g.name.clone(),
-                g.uuid.clone(),
-                format!(
-                    "{} / {}",
-                    format_bytes(g.memory_used_bytes),
-                    format_bytes(g.memory_total_bytes)
-                ),
-                format!("{}%", g.utilization_percent),
-                g.temperature_c
-                    .map(|t| format!("{t}C"))
-                    .unwrap_or_else(|| "-".to_string()),
-                match g.mig_enabled {
-                    Some(true) => "on",
-                    Some(false) => "off",
-                    None => "n/a",
-                }
-                .to_string(),
-                g.compute_capability
-                    .map(|(a, b)| format!("{a}.{b}"))
-                    .unwrap_or_else(|| "-".to_string()),
-                g.state.label().to_string(),
-                if g.processes.is_empty() {
-                    "-".to_string()
-                } else {
-                    g.processes
-                        .iter()
-                        .map(|p| p.pid.to_string())
-                        .collect::<Vec<_>>()
-                        .join(",")
-                },
-            ]
-        })
-        .collect();
+    let rows: Vec<Vec<String>> = inv.gpus.iter().map(gpu_row).collect();
     table(
         out,
         &[
             "IDX", "NAME", "UUID", "MEMORY", "UTIL", "TEMP", "MIG", "CC", "STATE", "PIDS",
         ],
         &rows,
-    )?;
-    if s.running_jobs.is_empty() {
-        return Ok(());
-    }
+    )
+}
+
+fn gpu_row(g: &GpuInfo) -> Vec<String> {
+    vec![
+        g.index.to_string(),
+        g.name.clone(),
+        g.uuid.clone(),
+        format!(
+            "{} / {}",
+            format_bytes(g.memory_used_bytes),
+            format_bytes(g.memory_total_bytes)
+        ),
+        format!("{}%", g.utilization_percent),
+        g.temperature_c
+            .map(|t| format!("{t}C"))
+            .unwrap_or_else(|| "-".to_string()),
+        match g.mig_enabled {
+            Some(true) => "on",
+            Some(false) => "off",
+            None => "n/a",
+        }
+        .to_string(),
+        g.compute_capability
+            .map(|(a, b)| format!("{a}.{b}"))
+            .unwrap_or_else(|| "-".to_string()),
+        g.state.label().to_string(),
+        if g.processes.is_empty() {
+            "-".to_string()
+        } else {
+            g.processes
+                .iter()
+                .map(|p| p.pid.to_string())
+                .collect::<Vec<_>>()
+                .join(",")
+        },
+    ]
+}
+
+/// The jobs this node runs for peers, in `gpunode status`.
+fn print_running_jobs(out: &mut impl Write, jobs: &[RunningJobView]) -> io::Result<()> {
     writeln!(out, "Jobs running here for peers:")?;
-    let rows: Vec<Vec<String>> = s
-        .running_jobs
+    let rows: Vec<Vec<String>> = jobs
         .iter()
         .map(|j| {
             let (gpu_s, peak, util) = match &j.gpu {

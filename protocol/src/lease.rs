@@ -14,7 +14,10 @@ use serde::{Deserialize, Serialize};
 use crate::encoding::{self, DecodeError};
 use crate::signing::{self, SignatureError};
 use crate::time::UnixMillis;
-use crate::{Keypair, PeerId, PublicKey};
+use crate::{Keypair, PeerId};
+
+/// Kept here for callers that know it as `lease::public_key_of`; it lives in [`signing`].
+pub use crate::signing::public_key_of;
 
 /// Domain tag of lease terms signatures.
 pub const LEASE_SIGNING_TAG: &[u8] = b"gpunode/lease/v1\0";
@@ -440,17 +443,5 @@ fn decode_rejection(e: DecodeError) -> Rejection {
     match e {
         DecodeError::TooLarge { .. } => Rejection::new(RejectCode::Oversized, e.to_string()),
         _ => Rejection::new(RejectCode::Malformed, e.to_string()),
-    }
-}
-
-/// The public key inside an ed25519 peer id (an identity multihash of the protobuf key).
-pub fn public_key_of(peer: &PeerId) -> Result<PublicKey, SignatureError> {
-    let bytes = peer.to_bytes();
-    // Identity multihash: code 0x00, then a one-byte length (keys are under 128 bytes).
-    match bytes.as_slice() {
-        [0x00, len, digest @ ..] if (*len as usize) == digest.len() && *len < 0x80 => {
-            PublicKey::try_decode_protobuf(digest).map_err(|_| SignatureError::BadPublicKey)
-        }
-        _ => Err(SignatureError::BadPublicKey),
     }
 }

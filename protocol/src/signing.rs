@@ -55,6 +55,18 @@ pub fn key_of(claimed: &PeerId, public_key: &[u8]) -> Result<PublicKey, Signatur
     Ok(key)
 }
 
+/// The public key inside an ed25519 peer id (an identity multihash of the protobuf key).
+pub fn public_key_of(peer: &PeerId) -> Result<PublicKey, SignatureError> {
+    let bytes = peer.to_bytes();
+    // Identity multihash: code 0x00, then a one-byte length (keys are under 128 bytes).
+    match bytes.as_slice() {
+        [0x00, len, digest @ ..] if (*len as usize) == digest.len() && *len < 0x80 => {
+            PublicKey::try_decode_protobuf(digest).map_err(|_| SignatureError::BadPublicKey)
+        }
+        _ => Err(SignatureError::BadPublicKey),
+    }
+}
+
 /// Verifies `signature` over `tag || body` with `key`.
 ///
 /// For ed25519 keys (every gpunode identity) this is the same rule as
@@ -205,7 +217,7 @@ impl KeyCache {
         if let Some(i) = self.index.get(peer) {
             return *i;
         }
-        let key = crate::lease::public_key_of(peer)
+        let key = public_key_of(peer)
             .ok()
             .and_then(|k| k.try_into_ed25519().ok())
             .and_then(|k| {

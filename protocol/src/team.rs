@@ -265,7 +265,7 @@ impl SignedCertificate {
             )));
         }
         admin.verify(team, team_key, now)?;
-        let issuer_key = crate::lease::public_key_of(&c.issuer)?;
+        let issuer_key = signing::public_key_of(&c.issuer)?;
         signing::verify(&issuer_key, CERT_SIGNING_TAG, &body, &self.signature)
             .map_err(|_| TeamError::BadSignature("the admin's signature does not verify".into()))
     }
@@ -363,7 +363,7 @@ fn verify_by_team_or_admin(
         )));
     }
     cert.verify(team, team_key, now)?;
-    let key = crate::lease::public_key_of(issuer)?;
+    let key = signing::public_key_of(issuer)?;
     signing::verify(&key, tag, body, signature)
         .map_err(|_| TeamError::BadSignature("the admin's signature does not verify".into()))
 }
@@ -513,7 +513,7 @@ impl JoinRequest {
 
     /// Checks the proof, for a request that arrived from `join_peer`.
     pub fn verify(&self, join_peer: &PeerId) -> Result<(), TeamError> {
-        let key = crate::lease::public_key_of(&self.member)?;
+        let key = signing::public_key_of(&self.member)?;
         signing::verify(
             &key,
             JOIN_SIGNING_TAG,

@@ -5,102 +5,94 @@ use std::io::Write;
 use std::process::ExitCode;
 
 use anyhow::Result;
-use gpunode_node::api::ApiClient;
 use gpunode_node::ledger::chain::VerifyReport;
 use gpunode_node::ledger::views::{ExportFormat, LedgerView, PeerView};
 use gpunode_node::{DataDir, NodeConfig};
 
-use crate::commands::offline_node;
+use crate::args::{LedgerAction, LedgerArgs};
 use crate::output::short_peer;
-use crate::{LedgerAction, LedgerArgs};
+use crate::target::Target;
 
 /// `gpunode ledger [verify | export]`.
 pub async fn ledger(data_dir: DataDir, config: NodeConfig, args: LedgerArgs) -> Result<ExitCode> {
-    let api = ApiClient::new(&data_dir.api_socket());
-    let daemon = api.is_running().await;
     match args.action {
-        None => {
-            let view: LedgerView = if daemon {
-                api.get_json(&format!("/v1/ledger?recent={}", args.recent))
-                    .await?
-            } else {
-                let node = offline_node(data_dir, config).await?;
-                let v = node.handle().ledger_view(args.recent);
-                node.shutdown().await;
-                v?
-            };
-            if args.json {
-                println!("{}", serde_json::to_string_pretty(&view)?);
-            } else {
-                print_ledger(&mut std::io::stdout().lock(), &view)?;
-            }
-            Ok(ExitCode::SUCCESS)
-        }
-        Some(LedgerAction::Verify { json }) => {
-            let report: VerifyReport = if daemon {
-                api.get_json("/v1/ledger/verify").await?
-            } else {
-                let node = offline_node(data_dir, config).await?;
-                let r = node.handle().verify_ledger().await;
-                node.shutdown().await;
-                r?
-            };
-            if json || args.json {
-                println!("{}", serde_json::to_string_pretty(&report)?);
-            } else {
-                match &report.first_bad {
-                    None => println!(
-                        "ledger OK: {} entries, {} signatures checked in {:.2}s; balance {:+.3} credits",
-                        report.entries,
-                        report.signatures,
-                        report.took_ms as f64 / 1000.0,
-                        report.balance_millicredits as f64 / 1000.0
-                    ),
-                    Some(bad) => println!(
-                        "ledger BROKEN at entry {}: {}",
-                        bad.seq, bad.reason
-                    ),
-                }
-            }
-            Ok(if report.first_bad.is_none() {
-                ExitCode::SUCCESS
-            } else {
-                ExitCode::from(1)
-            })
-        }
-        Some(LedgerAction::Export { format }) => {
-            let format: ExportFormat = format
-                .parse()
-                .map_err(|m: String| anyhow::anyhow!("invalid --format: {m}"))?;
-            let text = if daemon {
-                let f = match format {
-                    ExportFormat::Csv => "csv",
-                    ExportFormat::Json => "json",
-                };
-                api.get_text(&format!("/v1/ledger/export?format={f}"))
-                    .await?
-            } else {
-                let node = offline_node(data_dir, config).await?;
-                let t = node.handle().export_ledger(format).await;
-                node.shutdown().await;
-                t?
-            };
-            std::io::stdout().lock().write_all(text.as_bytes())?;
-            Ok(ExitCode::SUCCESS)
+        None => summary(data_dir, config, args.recent, args.json).await,
+        Some(LedgerAction::Verify { json }) => verify(data_dir, config, json || args.json).await,
+        Some(LedgerAction::Export { format }) => export(data_dir, config, &format).await,
+    }
+}
+
+/// `gpunode ledger`: balances and the `recent` last entries.
+async fn summary(
+    data_dir: DataDir,
+    config: NodeConfig,
+    recent: usize,
+    json: bool,
+) -> Result<ExitCode> {
+    let view: LedgerView = match Target::daemon_or_store(data_dir, config).await? {
+        Target::Daemon(api) => api.get_json(&format!("/v1/ledger?recent={recent}")).await?,
+        Target::Local(node) => node.once(async |h| h.ledger_view(recent)).await?,
+    };
+    if json {
+        println!("{}", serde_json::to_string_pretty(&view)?);
+    } else {
+        print_ledger(&mut std::io::stdout().lock(), &view)?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `gpunode ledger verify`: exits 1 when the chain is broken.
+async fn verify(data_dir: DataDir, config: NodeConfig, json: bool) -> Result<ExitCode> {
+    let report: VerifyReport = match Target::daemon_or_store(data_dir, config).await? {
+        Target::Daemon(api) => api.get_json("/v1/ledger/verify").await?,
+        Target::Local(node) => node.once(async |h| h.verify_ledger().await).await?,
+    };
+    if json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        match &report.first_bad {
+            None => println!(
+                "ledger OK: {} entries, {} signatures checked in {:.2}s; balance {:+.3} credits",
+                report.entries,
+                report.signatures,
+                report.took_ms as f64 / 1000.0,
+                report.balance_millicredits as f64 / 1000.0
+            ),
+            Some(bad) => println!("ledger BROKEN at entry {}: {}", bad.seq, bad.reason),
         }
     }
+    Ok(if report.first_bad.is_none() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}
+
+/// `gpunode ledger export`: every entry, as csv or json, on stdout.
+async fn export(data_dir: DataDir, config: NodeConfig, format: &str) -> Result<ExitCode> {
+    let format: ExportFormat = format
+        .parse()
+        .map_err(|m: String| anyhow::anyhow!("invalid --format: {m}"))?;
+    let text = match Target::daemon_or_store(data_dir, config).await? {
+        Target::Daemon(api) => {
+            let f = match format {
+                ExportFormat::Csv => "csv",
+                ExportFormat::Json => "json",
+            };
+            api.get_text(&format!("/v1/ledger/export?format={f}"))
+                .await?
+        }
+        Target::Local(node) => node.once(async |h| h.export_ledger(format).await).await?,
+    };
+    std::io::stdout().lock().write_all(text.as_bytes())?;
+    Ok(ExitCode::SUCCESS)
 }
 
 /// `gpunode peers`.
 pub async fn peers(data_dir: DataDir, config: NodeConfig, json: bool) -> Result<ExitCode> {
-    let api = ApiClient::new(&data_dir.api_socket());
-    let peers: Vec<PeerView> = if api.is_running().await {
-        api.get_json("/v1/peers").await?
-    } else {
-        let node = offline_node(data_dir, config).await?;
-        let p = node.handle().peers_view();
-        node.shutdown().await;
-        p
+    let peers: Vec<PeerView> = match Target::daemon_or_store(data_dir, config).await? {
+        Target::Daemon(api) => api.get_json("/v1/peers").await?,
+        Target::Local(node) => node.once(async |h| h.peers_view()).await,
     };
     if json {
         println!("{}", serde_json::to_string_pretty(&peers)?);
