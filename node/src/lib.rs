@@ -19,6 +19,7 @@ pub mod inventory;
 pub mod jobs;
 pub mod lease;
 pub mod ledger;
+pub mod loop_client;
 pub mod metrics;
 pub mod network;
 pub mod owner;
@@ -33,15 +34,16 @@ use std::time::Duration;
 
 use gpunode_protocol::advert::OfferFilter;
 use libp2p::PeerId;
-use tokio::sync::{mpsc, oneshot, watch};
+use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
 pub use config::NodeConfig;
 pub use data_dir::DataDir;
-use event_loop::{Command, EventLoop, LoopParts};
+use event_loop::{EventLoop, LoopParts};
 use inventory::{GpuInventory, InventorySnapshot};
 pub use lease::negotiate::LeaseError;
 pub use ledger::settle::{Accounts, Misbehaviour};
+pub use loop_client::LoopClient;
 pub use metrics::Metrics;
 use store::Store;
 pub use views::{CancelOutcome, LeaseSpec, LeaseView, NodeStatus, OfferSearch, OfferView};
@@ -146,8 +148,8 @@ pub enum NodeError {
 #[derive(Clone, Debug)]
 pub struct NodeHandle {
     peer_id: PeerId,
-    keypair: libp2p::identity::Keypair,
-    commands: mpsc::Sender<Command>,
+    client: LoopClient,
+    negotiator: lease::negotiate::Negotiator,
     metrics: Arc<Metrics>,
     jobs: Arc<JobsContext>,
     accounts: Arc<Accounts>,
@@ -191,7 +193,7 @@ impl NodeHandle {
     /// Tells the event loop who may connect (team mode): the others are dropped and
     /// their leases cancelled.
     pub async fn set_team_allowed(&self, peers: std::collections::HashSet<PeerId>) {
-        let _ = self.commands.send(Command::TeamAllowed { peers }).await;
+        self.client.set_team_allowed(peers).await;
     }
 
     /// The node's ledger, reputation and usage meters.
@@ -199,16 +201,53 @@ impl NodeHandle {
         &self.accounts
     }
 
-    async fn ask<T>(
+    /// The door to the event loop.
+    pub fn loop_client(&self) -> &LoopClient {
+        &self.client
+    }
+
+    /// The requester's side of lease negotiation.
+    pub fn negotiator(&self) -> &lease::negotiate::Negotiator {
+        &self.negotiator
+    }
+
+    /// Finds a provider (or asks the named one), negotiates and records a lease.
+    pub async fn request_lease(&self, spec: LeaseSpec) -> Result<LeaseView, LeaseError> {
+        self.negotiator.request_lease(spec).await
+    }
+
+    /// Extends an active lease this node holds as requester by `extend`.
+    pub async fn renew_lease(
         &self,
-        make: impl FnOnce(oneshot::Sender<T>) -> Command,
-    ) -> Result<T, NodeError> {
-        let (tx, rx) = oneshot::channel();
-        self.commands
-            .send(make(tx))
-            .await
-            .map_err(|_| NodeError::Stopped)?;
-        rx.await.map_err(|_| NodeError::Stopped)
+        prefix: &str,
+        extend: Duration,
+    ) -> Result<LeaseView, LeaseError> {
+        self.negotiator.renew_lease(prefix, extend).await
+    }
+
+    /// Cancels a lease (either side): released here at once, then the other party is told.
+    pub async fn cancel_lease(&self, prefix: &str) -> Result<CancelOutcome, LeaseError> {
+        self.negotiator.cancel_lease(prefix).await
+    }
+
+    /// Every lease on this node, either side, newest first.
+    pub async fn list_leases(&self) -> Result<Vec<LeaseView>, NodeError> {
+        self.negotiator.list_leases().await
+    }
+
+    /// Sends one lease message to `peer` and waits for the answer.
+    pub async fn send_lease(
+        &self,
+        peer: PeerId,
+        addrs: Vec<libp2p::Multiaddr>,
+        message: gpunode_protocol::lease::LeaseMessage,
+    ) -> Result<Result<gpunode_protocol::lease::LeaseReply, String>, NodeError> {
+        self.negotiator.send_lease(peer, addrs, message).await
+    }
+
+    /// Current adverts of known peers (for their addresses and offers).
+    pub async fn find_adverts(&self, peers: Vec<PeerId>) -> Result<Vec<OfferView>, NodeError> {
+        self.negotiator.find_adverts(peers).await
     }
 
     /// A lease by id, if this node has it.
@@ -217,10 +256,7 @@ impl NodeHandle {
         id: &gpunode_protocol::lease::LeaseId,
     ) -> Result<Option<lease::LeaseRecord>, NodeError> {
         let prefix = id.to_string();
-        Ok(self
-            .ask(|reply| Command::ResolveLease { prefix, reply })
-            .await?
-            .ok())
+        Ok(self.client.resolve_lease(prefix).await?.ok())
     }
 
     /// Starts a job in the background; follow it with [`NodeHandle::job_events`].
@@ -281,12 +317,12 @@ impl NodeHandle {
         &self,
         ids: Vec<gpunode_protocol::lease::LeaseId>,
     ) -> Result<Vec<Option<lease::LeaseRecord>>, NodeError> {
-        self.ask(|reply| Command::GetLeases { ids, reply }).await
+        self.client.leases_by_id(ids).await
     }
 
     /// Every lease this node knows, with its signatures.
     pub async fn list_lease_records(&self) -> Result<Vec<lease::LeaseRecord>, NodeError> {
-        self.ask(Command::ListLeases).await
+        self.client.list_leases().await
     }
 
     /// This user's jobs, newest first.
@@ -316,7 +352,7 @@ impl NodeHandle {
 
     /// The node's status.
     pub async fn status(&self) -> Result<NodeStatus, NodeError> {
-        let mut status = self.ask(Command::Status).await?;
+        let mut status = self.client.status().await?;
         status.team = self.team.as_ref().map(|t| t.state().team.to_string());
         Ok(status)
     }
@@ -328,13 +364,12 @@ impl NodeHandle {
 
     /// Like [`NodeHandle::find_offers`], with the number of providers and DHT requests.
     pub async fn search_offers(&self, filter: OfferFilter) -> Result<OfferSearch, NodeError> {
-        self.ask(|reply| Command::FindOffers { filter, reply })
-            .await
+        self.client.search_offers(filter).await
     }
 
     /// Asks the node to withdraw its advert, flush and stop.
     pub async fn shutdown(&self) -> Result<(), NodeError> {
-        self.ask(Command::Shutdown).await
+        self.client.shutdown().await
     }
 
     /// Waits until the node has at least `peers` peers in its routing table.
@@ -455,8 +490,11 @@ impl Node {
         let control = swarm.behaviour().stream.new_control();
         let handle = NodeHandle {
             peer_id,
-            keypair: keypair.clone(),
-            commands: commands_tx,
+            client: LoopClient::new(commands_tx.clone()),
+            negotiator: lease::negotiate::Negotiator::new(
+                LoopClient::new(commands_tx),
+                keypair.clone(),
+            ),
             metrics: metrics.clone(),
             jobs: Arc::new(JobsContext {
                 control: control.clone(),

@@ -18,9 +18,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
-use gpunode_protocol::advert::{
-    advert_record_key, capability_keys, peer_of_advert_key, Advert, OfferFilter,
-};
+use gpunode_protocol::advert::{advert_record_key, capability_keys, peer_of_advert_key, Advert};
 use gpunode_protocol::time::now_ms;
 use libp2p::core::ConnectedPoint;
 use libp2p::identity::Keypair;
@@ -41,16 +39,15 @@ pub(crate) use leases::capacity_from;
 
 use crate::adverts::{AdvertBook, AdvertStamp, LocalOffer};
 use crate::inventory::InventorySnapshot;
-use crate::lease::book::SignedRenewal;
-use crate::lease::desk::LocalCancel;
 use crate::lease::{LeaseDesk, LeaseRecord};
+use crate::loop_client::Command;
 use crate::metrics::Metrics;
 use crate::network::{NodeBehaviour, NodeBehaviourEvent};
 use crate::standings::PeerStandings;
 use crate::store::Store;
-use crate::views::{AdvertStatus, NodeStatus, OfferSearch};
+use crate::views::{AdvertStatus, NodeStatus};
 use gpunode_protocol::gpu::GpuState;
-use gpunode_protocol::lease::{LeaseMessage, LeaseReply, LeaseTerms, Rejection};
+use gpunode_protocol::lease::LeaseReply;
 use libp2p::request_response::{OutboundRequestId, ResponseChannel};
 
 /// How long an offer query may take before it answers with what it has.
@@ -59,66 +56,6 @@ const FIND_TIMEOUT: Duration = Duration::from_secs(8);
 const WITHDRAW_TIMEOUT: Duration = Duration::from_secs(2);
 /// Kademlia's replication factor: below this many stored copies we re-publish on new peers.
 const REPLICATION: usize = 20;
-
-/// Requests from a [`crate::NodeHandle`] to the loop.
-#[derive(Debug)]
-pub(crate) enum Command {
-    Status(oneshot::Sender<NodeStatus>),
-    FindOffers {
-        filter: OfferFilter,
-        reply: oneshot::Sender<OfferSearch>,
-    },
-    Shutdown(oneshot::Sender<()>),
-    /// Fetch the current adverts of these peers (no provider lookup).
-    FindAdverts {
-        peers: Vec<PeerId>,
-        reply: oneshot::Sender<OfferSearch>,
-    },
-    SendLease {
-        peer: PeerId,
-        addrs: Vec<Multiaddr>,
-        message: LeaseMessage,
-        reply: oneshot::Sender<Result<LeaseReply, String>>,
-    },
-    RecordLease {
-        terms: LeaseTerms,
-        provider_sig: Vec<u8>,
-        requester_sig: Vec<u8>,
-        reply: oneshot::Sender<Result<LeaseRecord, String>>,
-    },
-    ApplyRenewal {
-        signed: SignedRenewal,
-        reply: oneshot::Sender<Result<LeaseRecord, String>>,
-    },
-    CancelLocal {
-        prefix: String,
-        reply: oneshot::Sender<Result<LocalCancel, Rejection>>,
-    },
-    ResolveLease {
-        prefix: String,
-        reply: oneshot::Sender<Result<LeaseRecord, String>>,
-    },
-    ListLeases(oneshot::Sender<Vec<LeaseRecord>>),
-    /// Team mode: exactly these peers may connect.
-    TeamAllowed {
-        peers: std::collections::HashSet<PeerId>,
-    },
-    /// These leases by id (`None` where unknown), in order.
-    GetLeases {
-        ids: Vec<gpunode_protocol::lease::LeaseId>,
-        reply: oneshot::Sender<Vec<Option<LeaseRecord>>>,
-    },
-    IsConnected {
-        peer: PeerId,
-        reply: oneshot::Sender<bool>,
-    },
-    /// The price (millicredits per GPU-hour) in the peer's newest verified advert this
-    /// node holds, without asking the DHT.
-    KnownPrice {
-        peer: PeerId,
-        reply: oneshot::Sender<Option<u64>>,
-    },
-}
 
 /// Our own advert: what it says and where it stands.
 struct OwnAdvert {

@@ -13,10 +13,11 @@ use gpunode_protocol::time::{now_ms, UnixMillis, MAX_CLOCK_SKEW_MS};
 use gpunode_protocol::PeerId;
 use libp2p::Multiaddr;
 
-use crate::event_loop::Command;
 use crate::lease::book::{LeaseRole, LeaseState, SignedRenewal};
+use crate::loop_client::LoopClient;
 use crate::views::{CancelOutcome, LeaseSpec, LeaseView};
-use crate::{NodeError, NodeHandle};
+use crate::NodeError;
+use libp2p::identity::Keypair;
 
 /// Why one provider did not grant a lease.
 enum NotGranted {
@@ -77,7 +78,25 @@ pub enum LeaseError {
     Node(#[from] NodeError),
 }
 
-impl NodeHandle {
+/// The requester's side of lease negotiation: finds providers, negotiates, renews and
+/// cancels, through the loop client and with this node's key.
+#[derive(Debug, Clone)]
+pub struct Negotiator {
+    client: LoopClient,
+    keypair: Keypair,
+    peer_id: PeerId,
+}
+
+impl Negotiator {
+    /// A negotiator for the node with `keypair`, reaching its loop through `client`.
+    pub fn new(client: LoopClient, keypair: Keypair) -> Negotiator {
+        Negotiator {
+            peer_id: keypair.public().to_peer_id(),
+            client,
+            keypair,
+        }
+    }
+
     /// Sends one lease message to `peer` and waits for the answer.
     pub async fn send_lease(
         &self,
@@ -89,12 +108,8 @@ impl NodeHandle {
         loop {
             attempt += 1;
             let answer = self
-                .ask(|reply| Command::SendLease {
-                    peer,
-                    addrs: addrs.clone(),
-                    message: message.clone(),
-                    reply,
-                })
+                .client
+                .send_lease(peer, addrs.clone(), message.clone())
                 .await?;
             match answer {
                 // A dial already under way to an address the peer no longer uses, or a
@@ -113,14 +128,11 @@ impl NodeHandle {
         &self,
         peers: Vec<PeerId>,
     ) -> Result<Vec<crate::OfferView>, NodeError> {
-        Ok(self
-            .ask(|reply| Command::FindAdverts { peers, reply })
-            .await?
-            .offers)
+        Ok(self.client.find_adverts(peers).await?.offers)
     }
 
     async fn addresses_of(&self, peer: PeerId) -> Vec<Multiaddr> {
-        if let Ok(true) = self.ask(|reply| Command::IsConnected { peer, reply }).await {
+        if let Ok(true) = self.client.is_connected(peer).await {
             return Vec::new();
         }
         self.find_adverts(vec![peer])
@@ -135,15 +147,8 @@ impl NodeHandle {
     /// (millicredits per GPU-hour), when its advert is known. A connected peer whose
     /// advert this node already verified costs no DHT request.
     async fn target_of(&self, peer: PeerId) -> (Vec<Multiaddr>, Option<u64>) {
-        let connected = matches!(
-            self.ask(|reply| Command::IsConnected { peer, reply }).await,
-            Ok(true)
-        );
-        let known = self
-            .ask(|reply| Command::KnownPrice { peer, reply })
-            .await
-            .ok()
-            .flatten();
+        let connected = matches!(self.client.is_connected(peer).await, Ok(true));
+        let known = self.client.known_price(peer).await.ok().flatten();
         if connected && known.is_some() {
             return (Vec::new(), known);
         }
@@ -195,7 +200,7 @@ impl NodeHandle {
                     gpus: Some(spec.gpus),
                     backend: Some(spec.backend.clone()),
                 };
-                let mut offers = self.find_offers(filter.clone()).await?;
+                let mut offers = self.client.search_offers(filter.clone()).await?.offers;
                 offers.retain(|o| {
                     max_price.is_none_or(|m| (o.price_per_gpu_hour * 1000.0).round() as u64 <= m)
                 });
@@ -342,12 +347,8 @@ impl NodeHandle {
             Err(e) => return Ok(Err(NotGranted::Refused(e))),
         }
         let record = self
-            .ask(|reply| Command::RecordLease {
-                terms,
-                provider_sig,
-                requester_sig,
-                reply,
-            })
+            .client
+            .record_lease(terms, provider_sig, requester_sig)
             .await?;
         // Both signatures were just checked (the provider's in check_offer, ours made here).
         Ok(record
@@ -357,7 +358,7 @@ impl NodeHandle {
 
     /// Every lease on this node, either side, newest first.
     pub async fn list_leases(&self) -> Result<Vec<LeaseView>, NodeError> {
-        let records = self.ask(Command::ListLeases).await?;
+        let records = self.client.list_leases().await?;
         Ok(records.iter().map(LeaseView::from).collect())
     }
 
@@ -369,7 +370,8 @@ impl NodeHandle {
     ) -> Result<LeaseView, LeaseError> {
         let prefix = prefix.to_string();
         let record = self
-            .ask(|reply| Command::ResolveLease { prefix, reply })
+            .client
+            .resolve_lease(prefix)
             .await?
             .map_err(LeaseError::NotFound)?;
         if record.role != LeaseRole::Requester {
@@ -410,7 +412,8 @@ impl NodeHandle {
                     provider_sig,
                 };
                 let record = self
-                    .ask(|reply| Command::ApplyRenewal { signed, reply })
+                    .client
+                    .apply_renewal(signed)
                     .await?
                     .map_err(LeaseError::Invalid)?;
                 Ok(LeaseView::from(&record))
@@ -424,15 +427,16 @@ impl NodeHandle {
     /// Cancels a lease (either side): released here at once, then the other party is told.
     pub async fn cancel_lease(&self, prefix: &str) -> Result<CancelOutcome, LeaseError> {
         let prefix = prefix.to_string();
-        let (record, cancellation, signature) = self
-            .ask(|reply| Command::CancelLocal { prefix, reply })
-            .await?
-            .map_err(|r| match r.code {
-                RejectCode::UnknownLease | RejectCode::WrongState => {
-                    LeaseError::NotFound(r.message)
-                }
-                _ => LeaseError::Refused(r),
-            })?;
+        let (record, cancellation, signature) =
+            self.client
+                .cancel_local(prefix)
+                .await?
+                .map_err(|r| match r.code {
+                    RejectCode::UnknownLease | RejectCode::WrongState => {
+                        LeaseError::NotFound(r.message)
+                    }
+                    _ => LeaseError::Refused(r),
+                })?;
         let peer = record.peer();
         let addrs = self.addresses_of(peer).await;
         let answer = self

@@ -1,0 +1,215 @@
+//! The door to the event loop: [`LoopClient`] sends a [`Command`] over a bounded channel
+//! and waits for its reply. Domain code (leases, jobs, ledger, team) is given a client,
+//! never the loop itself or the whole [`crate::NodeHandle`].
+
+use std::collections::HashSet;
+
+use gpunode_protocol::advert::OfferFilter;
+use gpunode_protocol::lease::{LeaseId, LeaseMessage, LeaseReply, LeaseTerms, Rejection};
+use libp2p::{Multiaddr, PeerId};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::lease::book::SignedRenewal;
+use crate::lease::desk::LocalCancel;
+use crate::lease::LeaseRecord;
+use crate::views::{NodeStatus, OfferSearch};
+use crate::NodeError;
+
+/// Requests to the loop; each carries the sender of its reply.
+#[derive(Debug)]
+pub(crate) enum Command {
+    Status(oneshot::Sender<NodeStatus>),
+    FindOffers {
+        filter: OfferFilter,
+        reply: oneshot::Sender<OfferSearch>,
+    },
+    Shutdown(oneshot::Sender<()>),
+    /// Fetch the current adverts of these peers (no provider lookup).
+    FindAdverts {
+        peers: Vec<PeerId>,
+        reply: oneshot::Sender<OfferSearch>,
+    },
+    SendLease {
+        peer: PeerId,
+        addrs: Vec<Multiaddr>,
+        message: LeaseMessage,
+        reply: oneshot::Sender<Result<LeaseReply, String>>,
+    },
+    RecordLease {
+        terms: LeaseTerms,
+        provider_sig: Vec<u8>,
+        requester_sig: Vec<u8>,
+        reply: oneshot::Sender<Result<LeaseRecord, String>>,
+    },
+    ApplyRenewal {
+        signed: SignedRenewal,
+        reply: oneshot::Sender<Result<LeaseRecord, String>>,
+    },
+    CancelLocal {
+        prefix: String,
+        reply: oneshot::Sender<Result<LocalCancel, Rejection>>,
+    },
+    ResolveLease {
+        prefix: String,
+        reply: oneshot::Sender<Result<LeaseRecord, String>>,
+    },
+    ListLeases(oneshot::Sender<Vec<LeaseRecord>>),
+    /// Team mode: exactly these peers may connect.
+    TeamAllowed {
+        peers: HashSet<PeerId>,
+    },
+    /// These leases by id (`None` where unknown), in order.
+    GetLeases {
+        ids: Vec<LeaseId>,
+        reply: oneshot::Sender<Vec<Option<LeaseRecord>>>,
+    },
+    IsConnected {
+        peer: PeerId,
+        reply: oneshot::Sender<bool>,
+    },
+    /// The price (millicredits per GPU-hour) in the peer's newest verified advert this
+    /// node holds, without asking the DHT.
+    KnownPrice {
+        peer: PeerId,
+        reply: oneshot::Sender<Option<u64>>,
+    },
+}
+
+/// A cloneable client of the event loop.
+#[derive(Debug, Clone)]
+pub struct LoopClient {
+    commands: mpsc::Sender<Command>,
+}
+
+impl LoopClient {
+    pub(crate) fn new(commands: mpsc::Sender<Command>) -> LoopClient {
+        LoopClient { commands }
+    }
+
+    /// Sends the command `make` builds and waits for its reply.
+    pub(crate) async fn ask<T>(
+        &self,
+        make: impl FnOnce(oneshot::Sender<T>) -> Command,
+    ) -> Result<T, NodeError> {
+        let (tx, rx) = oneshot::channel();
+        self.commands
+            .send(make(tx))
+            .await
+            .map_err(|_| NodeError::Stopped)?;
+        rx.await.map_err(|_| NodeError::Stopped)
+    }
+
+    /// Sends a command that has no reply.
+    pub(crate) async fn tell(&self, command: Command) {
+        let _ = self.commands.send(command).await;
+    }
+
+    /// Whether this node has a connection to `peer` now.
+    pub async fn is_connected(&self, peer: PeerId) -> Result<bool, NodeError> {
+        self.ask(|reply| Command::IsConnected { peer, reply }).await
+    }
+
+    /// The price in `peer`'s newest verified advert this node holds.
+    pub async fn known_price(&self, peer: PeerId) -> Result<Option<u64>, NodeError> {
+        self.ask(|reply| Command::KnownPrice { peer, reply }).await
+    }
+
+    /// Providers whose verified, unexpired adverts match `filter`.
+    pub async fn search_offers(&self, filter: OfferFilter) -> Result<OfferSearch, NodeError> {
+        self.ask(|reply| Command::FindOffers { filter, reply })
+            .await
+    }
+
+    /// The current adverts of these peers.
+    pub async fn find_adverts(&self, peers: Vec<PeerId>) -> Result<OfferSearch, NodeError> {
+        self.ask(|reply| Command::FindAdverts { peers, reply })
+            .await
+    }
+
+    /// Sends one lease message to `peer` (dialling `addrs` if not connected).
+    pub async fn send_lease(
+        &self,
+        peer: PeerId,
+        addrs: Vec<Multiaddr>,
+        message: LeaseMessage,
+    ) -> Result<Result<LeaseReply, String>, NodeError> {
+        self.ask(|reply| Command::SendLease {
+            peer,
+            addrs,
+            message,
+            reply,
+        })
+        .await
+    }
+
+    /// Records, durably, a lease a provider activated for this node.
+    pub async fn record_lease(
+        &self,
+        terms: LeaseTerms,
+        provider_sig: Vec<u8>,
+        requester_sig: Vec<u8>,
+    ) -> Result<Result<LeaseRecord, String>, NodeError> {
+        self.ask(|reply| Command::RecordLease {
+            terms,
+            provider_sig,
+            requester_sig,
+            reply,
+        })
+        .await
+    }
+
+    /// Applies, durably, a renewal both parties signed.
+    pub async fn apply_renewal(
+        &self,
+        signed: SignedRenewal,
+    ) -> Result<Result<LeaseRecord, String>, NodeError> {
+        self.ask(|reply| Command::ApplyRenewal { signed, reply })
+            .await
+    }
+
+    /// Cancels a lease on this node's initiative.
+    pub async fn cancel_local(
+        &self,
+        prefix: String,
+    ) -> Result<Result<LocalCancel, Rejection>, NodeError> {
+        self.ask(|reply| Command::CancelLocal { prefix, reply })
+            .await
+    }
+
+    /// The lease with this id or unique id prefix.
+    pub async fn resolve_lease(
+        &self,
+        prefix: String,
+    ) -> Result<Result<LeaseRecord, String>, NodeError> {
+        self.ask(|reply| Command::ResolveLease { prefix, reply })
+            .await
+    }
+
+    /// Every lease this node knows.
+    pub async fn list_leases(&self) -> Result<Vec<LeaseRecord>, NodeError> {
+        self.ask(Command::ListLeases).await
+    }
+
+    /// These leases by id (`None` where unknown), in order, in one trip.
+    pub async fn leases_by_id(
+        &self,
+        ids: Vec<LeaseId>,
+    ) -> Result<Vec<Option<LeaseRecord>>, NodeError> {
+        self.ask(|reply| Command::GetLeases { ids, reply }).await
+    }
+
+    /// The loop's part of the node's status.
+    pub async fn status(&self) -> Result<NodeStatus, NodeError> {
+        self.ask(Command::Status).await
+    }
+
+    /// Team mode: lets exactly `peers` connect.
+    pub async fn set_team_allowed(&self, peers: HashSet<PeerId>) {
+        self.tell(Command::TeamAllowed { peers }).await
+    }
+
+    /// Asks the loop to withdraw the advert, flush and stop.
+    pub async fn shutdown(&self) -> Result<(), NodeError> {
+        self.ask(Command::Shutdown).await
+    }
+}
