@@ -127,9 +127,17 @@ pub enum NodeError {
     /// The sandbox or job service could not start.
     #[error("cannot set up the sandbox: {0}")]
     Sandbox(String),
-    /// A job stream could not be opened.
+    /// A stream to a peer could not be opened.
+    #[error("cannot open a {protocol} stream: {reason}")]
+    Stream {
+        /// The stream protocol.
+        protocol: String,
+        /// Why not.
+        reason: String,
+    },
+    /// An exchange with a peer failed on the wire.
     #[error("{0}")]
-    Job(String),
+    Exchange(#[from] std::io::Error),
     /// The ledger could not be opened.
     #[error(transparent)]
     Ledger(#[from] ledger::LedgerError),
@@ -149,24 +157,15 @@ pub enum NodeError {
 pub struct NodeHandle {
     peer_id: PeerId,
     client: LoopClient,
+    link: loop_client::PeerLink,
     negotiator: lease::negotiate::Negotiator,
     metrics: Arc<Metrics>,
-    jobs: Arc<JobsContext>,
+    /// This user's jobs.
+    jobs: jobs::table::JobTable,
+    /// Runs this user's jobs.
+    requester: jobs::requester::Requester,
     accounts: Arc<Accounts>,
     team: Option<Arc<team::service::Team>>,
-}
-
-/// What the job side of a node shares: streams, the sandbox, this user's jobs.
-pub(crate) struct JobsContext {
-    control: libp2p_stream::Control,
-    executor: Arc<gpunode_sandbox::WasmExecutor>,
-    table: jobs::table::JobTable,
-}
-
-impl std::fmt::Debug for JobsContext {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("JobsContext").finish_non_exhaustive()
-    }
 }
 
 impl NodeHandle {
@@ -187,7 +186,7 @@ impl NodeHandle {
 
     /// A control for raw streams of any protocol.
     pub fn stream_control(&self) -> libp2p_stream::Control {
-        self.jobs.control.clone()
+        self.link.control()
     }
 
     /// Tells the event loop who may connect (team mode): the others are dropped and
@@ -250,18 +249,95 @@ impl NodeHandle {
         self.negotiator.find_adverts(peers).await
     }
 
+    /// What admins and members ask of the team, when this node is in one.
+    pub fn team_service(&self) -> Result<team::service::TeamService, team::TeamOpError> {
+        let team = self.team.clone().ok_or(team::TeamOpError::NoTeam)?;
+        Ok(team::service::TeamService::new(team, self.link.clone()))
+    }
+
+    /// Issues an invite token (admins only).
+    pub async fn team_invite(
+        &self,
+        role: gpunode_protocol::team::Role,
+        uses: u32,
+        expires_ms: u64,
+        bootstrap: Vec<String>,
+    ) -> Result<gpunode_protocol::team::InviteToken, team::TeamOpError> {
+        self.team_service()?
+            .invite(role, uses, expires_ms, bootstrap)
+            .await
+    }
+
+    /// An invite token whose bootstrap addresses are this node's reachable addresses.
+    pub async fn team_invite_here(
+        &self,
+        role: gpunode_protocol::team::Role,
+        uses: u32,
+        expires_ms: u64,
+    ) -> Result<gpunode_protocol::team::InviteToken, team::TeamOpError> {
+        self.team_service()?
+            .invite_here(role, uses, expires_ms)
+            .await
+    }
+
+    /// Admits a known peer id without a token (admins only) and tells the members.
+    pub async fn team_add(
+        &self,
+        peer: PeerId,
+        role: gpunode_protocol::team::Role,
+    ) -> Result<(), team::TeamOpError> {
+        self.team_service()?.add(peer, role).await
+    }
+
+    /// Sets the team policy from its file text (admins only) and tells the members.
+    pub async fn team_set_policy(&self, text: &str) -> Result<u64, team::TeamOpError> {
+        self.team_service()?.set_policy(text).await
+    }
+
+    /// Revokes a member (admins only).
+    pub async fn team_revoke(&self, peer: PeerId) -> Result<(), team::TeamOpError> {
+        self.team_service()?.revoke(peer).await
+    }
+
+    /// The team as `gpunode team members` shows it.
+    pub async fn team_view(&self) -> Result<team::service::TeamView, team::TeamOpError> {
+        Ok(self.team_service()?.view().await)
+    }
+
+    /// Balances, the `recent` newest entries and unsettled claims.
+    pub fn ledger_view(&self, recent: usize) -> Result<ledger::views::LedgerView, NodeError> {
+        Ok(self.accounts.ledger_view(recent)?)
+    }
+
+    /// Checks the whole ledger chain.
+    pub async fn verify_ledger(&self) -> Result<ledger::chain::VerifyReport, NodeError> {
+        Ok(self.accounts.verify_ledger().await?)
+    }
+
+    /// Every ledger entry in `format`.
+    pub async fn export_ledger(
+        &self,
+        format: ledger::views::ExportFormat,
+    ) -> Result<String, NodeError> {
+        Ok(self.accounts.export_ledger(format).await?)
+    }
+
+    /// Every peer with a reputation record or a balance here.
+    pub fn peers_view(&self) -> Vec<ledger::views::PeerView> {
+        self.accounts.peers_view()
+    }
+
     /// A lease by id, if this node has it.
     pub async fn lease(
         &self,
         id: &gpunode_protocol::lease::LeaseId,
     ) -> Result<Option<lease::LeaseRecord>, NodeError> {
-        let prefix = id.to_string();
-        Ok(self.client.resolve_lease(prefix).await?.ok())
+        self.client.lease(id).await
     }
 
     /// Starts a job in the background; follow it with [`NodeHandle::job_events`].
     pub fn submit_job(&self, mut req: jobs::JobRequest) -> jobs::JobView {
-        let table = self.jobs.table.clone();
+        let table = self.jobs.clone();
         let (job_id, cancel) = table.insert(&req);
         req.output_dir = if req.output_per_job {
             req.output_dir.join(&job_id)
@@ -269,13 +345,13 @@ impl NodeHandle {
             jobs::outputs::final_dir(&req.output_dir, &job_id)
         };
         req.output_per_job = false;
-        let node = self.clone();
+        let requester = self.requester.clone();
         let id = job_id.clone();
         tokio::spawn(async move {
             let t = table.clone();
             let idc = id.clone();
             let mut events = move |e: jobs::JobEvent| t.push(&idc, e);
-            let result = node.run_job(req, &mut events, cancel).await;
+            let result = requester.run_job(req, &mut events, cancel).await;
             let end = match result {
                 Ok(summary) => jobs::JobEvent::Finished {
                     summary: Box::new(summary),
@@ -286,10 +362,7 @@ impl NodeHandle {
             };
             table.push(&id, end);
         });
-        self.jobs
-            .table
-            .get(&job_id)
-            .expect("the job was just inserted")
+        self.jobs.get(&job_id).expect("the job was just inserted")
     }
 
     /// Opens a raw stream of the job protocol to `peer` (for tools and tests that speak
@@ -304,12 +377,7 @@ impl NodeHandle {
         peer: PeerId,
         protocol: libp2p::StreamProtocol,
     ) -> Result<libp2p::Stream, NodeError> {
-        self.jobs
-            .control
-            .clone()
-            .open_stream(peer, protocol.clone())
-            .await
-            .map_err(|e| NodeError::Job(format!("cannot open a {protocol} stream: {e}")))
+        self.link.open_stream(peer, protocol).await
     }
 
     /// These leases by id (`None` where unknown), in order, in one trip to the loop.
@@ -327,17 +395,17 @@ impl NodeHandle {
 
     /// This user's jobs, newest first.
     pub fn list_jobs(&self) -> Vec<jobs::JobView> {
-        self.jobs.table.list()
+        self.jobs.list()
     }
 
     /// One job by id or unique prefix.
     pub fn get_job(&self, prefix: &str) -> Result<jobs::JobView, String> {
-        self.jobs.table.get(prefix)
+        self.jobs.get(prefix)
     }
 
     /// Stops a job; returns its id.
     pub fn cancel_job(&self, prefix: &str) -> Result<String, String> {
-        self.jobs.table.cancel(prefix)
+        self.jobs.cancel(prefix)
     }
 
     /// A job's events from position `from`, waiting up to `wait` for new ones.
@@ -347,7 +415,7 @@ impl NodeHandle {
         from: usize,
         wait: Duration,
     ) -> Result<jobs::table::EventPage, String> {
-        self.jobs.table.events(prefix, from, wait).await
+        self.jobs.events(prefix, from, wait).await
     }
 
     /// The node's status.
@@ -488,19 +556,28 @@ impl Node {
             .map_err(|e| NodeError::Sandbox(e.to_string()))?,
         );
         let control = swarm.behaviour().stream.new_control();
+        let negotiator = lease::negotiate::Negotiator::new(
+            LoopClient::new(commands_tx.clone()),
+            keypair.clone(),
+        );
         let handle = NodeHandle {
             peer_id,
             client: LoopClient::new(commands_tx.clone()),
-            negotiator: lease::negotiate::Negotiator::new(
-                LoopClient::new(commands_tx),
-                keypair.clone(),
+            link: loop_client::PeerLink::new(
+                LoopClient::new(commands_tx.clone()),
+                control.clone(),
+                metrics.clone(),
+            ),
+            negotiator: negotiator.clone(),
+            requester: jobs::requester::Requester::new(
+                negotiator,
+                accounts.clone(),
+                control.clone(),
+                executor.clone(),
+                team.is_some(),
             ),
             metrics: metrics.clone(),
-            jobs: Arc::new(JobsContext {
-                control: control.clone(),
-                executor: executor.clone(),
-                table: jobs::table::JobTable::default(),
-            }),
+            jobs: jobs::table::JobTable::default(),
             accounts: accounts.clone(),
             team: team.clone(),
         };
@@ -535,7 +612,7 @@ impl Node {
             bootstrap.extend(t.state().bootstrap.iter().filter_map(|a| a.parse().ok()));
             tasks.push(tokio::spawn(team::service::run(
                 t.clone(),
-                handle.clone(),
+                handle.link.clone(),
                 stop_rx.clone(),
             )));
         }
@@ -549,7 +626,14 @@ impl Node {
             ledger::settle::SETTLE_STREAM_LIMITS,
             Arc::new(ledger::settle::ClaimAnswers {
                 accounts: accounts.clone(),
-                node: handle.clone(),
+                link: handle.link.clone(),
+                is_member: match &team {
+                    Some(t) => {
+                        let t = t.clone();
+                        Arc::new(move |p: &PeerId| t.is_member(p))
+                    }
+                    None => Arc::new(|_: &PeerId| true),
+                },
             }),
         )?;
         if let Some(t) = &team {
@@ -560,7 +644,7 @@ impl Node {
                     team::service::TEAM_STREAM_LIMITS,
                     Arc::new(team::service::TeamStreams {
                         team: t.clone(),
-                        node: handle.clone(),
+                        link: handle.link.clone(),
                         kind,
                     }),
                 )?;
@@ -569,7 +653,7 @@ impl Node {
         let (ended_tx, ended_rx) = mpsc::channel(8192);
         tasks.push(tokio::spawn(ledger::settle::run_claims(
             accounts.clone(),
-            handle.clone(),
+            handle.link.clone(),
             ended_rx,
             stop_rx.clone(),
         )));
@@ -602,7 +686,9 @@ impl Node {
                 None => opts.data_dir.jobs_dir(),
             };
             let service = Arc::new(jobs::provider::JobService {
-                node: handle.clone(),
+                client: handle.client.clone(),
+                metrics: metrics.clone(),
+                accounts: accounts.clone(),
                 executor: executor.clone(),
                 containers,
                 blobs: Arc::new(blobs),

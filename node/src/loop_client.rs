@@ -185,6 +185,11 @@ impl LoopClient {
             .await
     }
 
+    /// A lease by id, if this node has it.
+    pub async fn lease(&self, id: &LeaseId) -> Result<Option<LeaseRecord>, NodeError> {
+        Ok(self.resolve_lease(id.to_string()).await?.ok())
+    }
+
     /// Every lease this node knows.
     pub async fn list_leases(&self) -> Result<Vec<LeaseRecord>, NodeError> {
         self.ask(Command::ListLeases).await
@@ -211,5 +216,78 @@ impl LoopClient {
     /// Asks the loop to withdraw the advert, flush and stop.
     pub async fn shutdown(&self) -> Result<(), NodeError> {
         self.ask(Command::Shutdown).await
+    }
+}
+
+/// What a domain service uses to reach peers: the loop, raw streams, and the metrics
+/// it reports to.
+#[derive(Clone)]
+pub struct PeerLink {
+    client: LoopClient,
+    control: libp2p_stream::Control,
+    metrics: std::sync::Arc<crate::metrics::Metrics>,
+}
+
+impl std::fmt::Debug for PeerLink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PeerLink").finish_non_exhaustive()
+    }
+}
+
+impl PeerLink {
+    /// A link over `client` and `control`, reporting to `metrics`.
+    pub fn new(
+        client: LoopClient,
+        control: libp2p_stream::Control,
+        metrics: std::sync::Arc<crate::metrics::Metrics>,
+    ) -> PeerLink {
+        PeerLink {
+            client,
+            control,
+            metrics,
+        }
+    }
+
+    /// The door to the event loop.
+    pub fn client(&self) -> &LoopClient {
+        &self.client
+    }
+
+    /// The node's metrics.
+    pub fn metrics(&self) -> &std::sync::Arc<crate::metrics::Metrics> {
+        &self.metrics
+    }
+
+    /// A control for raw streams of any protocol.
+    pub fn control(&self) -> libp2p_stream::Control {
+        self.control.clone()
+    }
+
+    /// Opens a stream of `protocol` to `peer`.
+    pub async fn open_stream(
+        &self,
+        peer: PeerId,
+        protocol: libp2p::StreamProtocol,
+    ) -> Result<libp2p::Stream, NodeError> {
+        self.control
+            .clone()
+            .open_stream(peer, protocol.clone())
+            .await
+            .map_err(|e| NodeError::Stream {
+                protocol: protocol.to_string(),
+                reason: e.to_string(),
+            })
+    }
+
+    /// The peers this node is connected to now (none if the loop has stopped).
+    pub async fn connected_peers(&self) -> Vec<PeerId> {
+        match self.client.status().await {
+            Ok(status) => status
+                .connected_peers
+                .iter()
+                .filter_map(|p| p.parse().ok())
+                .collect(),
+            Err(_) => Vec::new(),
+        }
     }
 }

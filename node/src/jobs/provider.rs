@@ -33,7 +33,6 @@ use crate::lease::Standings;
 use crate::lease::{LeaseRole, LeaseState};
 use crate::router::framing::{self, Frame};
 use crate::router::{StreamGate, StreamHandler, StreamLimits, FIRST_MESSAGE_DEADLINE};
-use crate::NodeHandle;
 use futures::future::BoxFuture;
 
 /// Smallest wasm memory a job gets when its lease reserved no RAM.
@@ -45,8 +44,12 @@ const DEFAULT_CONTAINER_MEMORY: u64 = 2 << 30;
 
 /// What the provider needs to run jobs.
 pub struct JobService {
-    /// To look leases up.
-    pub node: NodeHandle,
+    /// The door to the event loop (leases).
+    pub client: crate::loop_client::LoopClient,
+    /// The node's metrics.
+    pub metrics: Arc<crate::metrics::Metrics>,
+    /// The node's ledger (usage meters, receipts).
+    pub accounts: Arc<crate::Accounts>,
     /// The node's sandbox.
     pub executor: Arc<WasmExecutor>,
     /// The container backend, when this provider offers it.
@@ -132,7 +135,7 @@ impl JobService {
                     JobRefusal::BadRequest,
                     format!("malformed job request: {e}"),
                 );
-                self.node.metrics().job_rejected(rej.code.label());
+                self.metrics.job_rejected(rej.code.label());
                 let _ = framing::write_message(&mut w, &ProviderMsg::Rejected(rej)).await;
                 let _ = w.close().await;
                 return;
@@ -142,7 +145,7 @@ impl JobService {
             Ok(a) => a,
             Err(rej) => {
                 tracing::info!(%peer, "job refused: {}", rej.message);
-                self.node.metrics().job_rejected(rej.code.label());
+                self.metrics.job_rejected(rej.code.label());
                 let _ = framing::write_message(&mut w, &ProviderMsg::Rejected(rej)).await;
                 let _ = w.close().await;
                 return;
@@ -159,14 +162,14 @@ impl JobService {
                         "this provider's blob cache has room for {room} more bytes now (other jobs' files are in use); try again later"
                     ),
                 );
-                self.node.metrics().job_rejected(rej.code.label());
+                self.metrics.job_rejected(rej.code.label());
                 let _ = framing::write_message(&mut w, &ProviderMsg::Rejected(rej)).await;
                 let _ = w.close().await;
                 return;
             }
         };
         let sent: u64 = missing.iter().map(|b| b.size).sum();
-        let metrics = self.node.metrics();
+        let metrics = &self.metrics;
         metrics.job_bytes_received.inc_by(sent);
         metrics
             .job_bytes_cached
@@ -194,7 +197,7 @@ impl JobService {
     }
 
     async fn admit(&self, peer: PeerId, s: &JobSubmit) -> Result<Admitted, JobRejection> {
-        if self.node.team().is_some_and(|t| !t.is_member(&peer)) {
+        if !self.standings.may_lease(&peer) {
             return Err(reject(
                 JobRefusal::NotYourLease,
                 "not a member of this team (no valid certificate, or revoked)".to_string(),
@@ -226,7 +229,7 @@ impl JobService {
             }
         }
         let record = self
-            .node
+            .client
             .lease(&s.lease_id)
             .await
             .map_err(|e| reject(JobRefusal::ProviderError, e.to_string()))?
@@ -341,7 +344,7 @@ impl JobService {
             if let Err(e) = got.and_then(|()| self.blobs.commit(&temp, blob)) {
                 let _ = tokio::fs::remove_file(&temp).await;
                 let rej = reject(JobRefusal::Corrupt, e.to_string());
-                self.node.metrics().job_rejected(rej.code.label());
+                self.metrics.job_rejected(rej.code.label());
                 let _ = framing::write_message(w, &ProviderMsg::Rejected(rej)).await;
                 return Err(e);
             }
@@ -351,7 +354,7 @@ impl JobService {
         let ready = match self.prepare(&submit.program).await {
             Ok(r) => r,
             Err(rej) => {
-                self.node.metrics().job_rejected(rej.code.label());
+                self.metrics.job_rejected(rej.code.label());
                 framing::write_message(w, &ProviderMsg::Rejected(rej)).await?;
                 return Ok(());
             }
@@ -370,7 +373,7 @@ impl JobService {
                 JobRefusal::ProviderError,
                 format!("cannot stage inputs: {e}"),
             );
-            self.node.metrics().job_rejected(rej.code.label());
+            self.metrics.job_rejected(rej.code.label());
             framing::write_message(w, &ProviderMsg::Rejected(rej)).await?;
             return Err(e);
         }
@@ -386,7 +389,7 @@ impl JobService {
             scopeguard(move || cancel.cancel())
         };
         // The lease may have ended between admission and registration.
-        if !matches!(self.node.lease(&submit.lease_id).await, Ok(Some(l)) if l.state == LeaseState::Active)
+        if !matches!(self.client.lease(&submit.lease_id).await, Ok(Some(l)) if l.state == LeaseState::Active)
         {
             cancel.cancel();
         }
@@ -396,8 +399,8 @@ impl JobService {
 
         // The lease's receipt waits until this job's usage is recorded, however the
         // exchange ends.
-        let mut usage = UsageGuard::new(self.node.accounts().clone(), submit.lease_id);
-        let metrics = self.node.metrics().clone();
+        let mut usage = UsageGuard::new(self.accounts.clone(), submit.lease_id);
+        let metrics = self.metrics.clone();
         metrics.jobs_running.inc();
         let _running = scopeguard(move || {
             metrics.jobs_running.dec();
@@ -515,10 +518,7 @@ impl JobService {
         // Time the owner held the job paused (`suspend`) is not billed.
         let paused_ms = control.pause.paused_ms();
         let run_ms = (started.elapsed().as_millis() as u64).saturating_sub(paused_ms);
-        self.node
-            .accounts()
-            .metered
-            .add_paused(submit.lease_id, paused_ms);
+        self.accounts.metered.add_paused(submit.lease_id, paused_ms);
         if let Some(e) = lost {
             usage.record(run_ms, "interrupted".into(), None, None);
             return Err(e);
@@ -534,14 +534,14 @@ impl JobService {
                     SandboxError::Setup(_) => JobRefusal::ProviderError,
                 };
                 let rej = reject(code, e.to_string());
-                self.node.metrics().job_rejected(rej.code.label());
+                self.metrics.job_rejected(rej.code.label());
                 framing::write_message(w, &ProviderMsg::Rejected(rej)).await?;
                 return Ok(());
             }
         };
         tracing::info!(%peer, lease = %submit.lease_id, ?outcome, run_ms, "job finished");
-        self.node.metrics().job_run(outcome.label());
-        let accounts = self.node.accounts();
+        self.metrics.job_run(outcome.label());
+        let accounts = &self.accounts;
         if accounts.misbehaviour.corrupt_outputs {
             corrupt_outputs(&workdir.output())?;
         }

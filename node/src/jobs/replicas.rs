@@ -12,11 +12,11 @@ use std::path::{Path, PathBuf};
 use libp2p::PeerId;
 use tokio::sync::watch;
 
+use super::requester::Requester;
 use super::requester::{JobError, JobEvent, JobRequest, JobSummary, Prepared, ReplicaView};
 use crate::ledger::reputation::Outcome;
-use crate::NodeHandle;
 
-impl NodeHandle {
+impl Requester {
     /// Runs `req` on `req.replicas` providers (plus a tie-breaker when they disagree).
     pub(super) async fn run_replicated(
         &self,
@@ -118,7 +118,7 @@ impl NodeHandle {
         for r in replicas.iter().filter(|r| !r.agrees) {
             tracing::warn!(provider = %r.provider, "replica outputs disagree with the majority");
             if let Ok(peer) = r.provider.parse::<PeerId>() {
-                self.accounts()
+                self.accounts
                     .reputation
                     .record(peer, Outcome::ReplicaMismatch);
             }

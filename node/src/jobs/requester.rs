@@ -5,6 +5,7 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::{AsyncReadExt, AsyncWriteExt};
@@ -23,7 +24,7 @@ use super::{outputs, wire};
 use crate::ledger::reputation::Outcome;
 use crate::ledger::settle::ReceiptStatus;
 use crate::router::framing;
-use crate::{LeaseError, LeaseSpec, LeaseView, NodeHandle};
+use crate::{LeaseError, LeaseSpec, LeaseView};
 
 /// How long after the task's timeout the lease runs, for transfers on both ends.
 const LEASE_MARGIN_MS: u64 = 120_000;
@@ -379,7 +380,43 @@ enum Attempt {
     Fatal(String),
 }
 
-impl NodeHandle {
+/// The requester's side of jobs: prepares a task, leases a provider, ships the task,
+/// follows it, retries elsewhere, and pays.
+#[derive(Clone)]
+pub struct Requester {
+    negotiator: crate::lease::negotiate::Negotiator,
+    pub(super) accounts: Arc<crate::Accounts>,
+    control: libp2p_stream::Control,
+    executor: Arc<gpunode_sandbox::WasmExecutor>,
+    in_team: bool,
+}
+
+impl std::fmt::Debug for Requester {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Requester").finish_non_exhaustive()
+    }
+}
+
+impl Requester {
+    /// A requester negotiating with `negotiator`, paying from `accounts`, opening job
+    /// streams with `control` and compiling tasks with `executor`; `in_team` makes
+    /// jobs wait in queues by default.
+    pub fn new(
+        negotiator: crate::lease::negotiate::Negotiator,
+        accounts: Arc<crate::Accounts>,
+        control: libp2p_stream::Control,
+        executor: Arc<gpunode_sandbox::WasmExecutor>,
+        in_team: bool,
+    ) -> Requester {
+        Requester {
+            negotiator,
+            accounts,
+            control,
+            executor,
+            in_team,
+        }
+    }
+
     /// Runs a job to its end, reporting each step to `events`. `cancel` turning true
     /// stops it (the provider is told, the lease is cancelled).
     pub async fn run_job(
@@ -415,7 +452,7 @@ impl NodeHandle {
         mut exclude: Vec<String>,
     ) -> Result<JobSummary, JobError> {
         let mut attempt = 0;
-        let wait = req.wait.unwrap_or(self.team().is_some());
+        let wait = req.wait.unwrap_or(self.in_team);
         let mut backoff = FIRST_WAIT_POLL;
         // One ticket for the whole job, so providers keep its place in their queues.
         let ticket: u128 = rand::random();
@@ -451,7 +488,7 @@ impl NodeHandle {
                     .reserved_lease(prefix, req, events, cancel)
                     .await?
                     .map_err(LeaseError::Invalid),
-                None => self.request_lease(spec).await,
+                None => self.negotiator.request_lease(spec).await,
             };
             let lease = match asked {
                 Ok(l) => l,
@@ -517,7 +554,7 @@ impl NodeHandle {
                 let node = self.clone();
                 let lease_id = lease.lease_id.clone();
                 tokio::spawn(async move {
-                    let _ = node.cancel_lease(&lease_id).await;
+                    let _ = node.negotiator.cancel_lease(&lease_id).await;
                 });
             }
             match outcome {
@@ -532,7 +569,7 @@ impl NodeHandle {
                         Some(_) if req.reservation.is_some() => {
                             "at the reservation's end".to_string()
                         }
-                        Some(id) => match self.accounts().wait_receipt(&id, RECEIPT_WAIT).await {
+                        Some(id) => match self.accounts.wait_receipt(&id, RECEIPT_WAIT).await {
                             ReceiptStatus::Settled(r) => {
                                 cost = crate::ledger::credits(r.receipt.amount_millicredits);
                                 "settled".to_string()
@@ -595,6 +632,7 @@ impl NodeHandle {
     ) -> Result<Result<crate::views::LeaseView, String>, JobError> {
         use crate::lease::{LeaseRole, LeaseState};
         let leases = self
+            .negotiator
             .list_leases()
             .await
             .map_err(|e| JobError::Failed(e.to_string()))?;
@@ -657,7 +695,7 @@ impl NodeHandle {
     /// Notes what this attempt used (for checking the provider's receipt) and what it
     /// says about the provider (reputation).
     fn observe(&self, lease: Option<LeaseId>, provider: &str, outcome: &Attempt, took: Duration) {
-        let accounts = self.accounts();
+        let accounts = &self.accounts;
         let ms = took.as_millis() as u64;
         let peer = provider.parse::<PeerId>().ok();
         let (status, digest, verdict) = match outcome {
@@ -772,7 +810,7 @@ impl NodeHandle {
                 req.module.display()
             ))
         })?;
-        let exec = self.jobs.executor.clone();
+        let exec = self.executor.clone();
         let bytes = module.clone();
         let fuel = req.fuel.is_some();
         tokio::task::spawn_blocking(move || exec.compile(&bytes, fuel))
@@ -801,7 +839,7 @@ impl NodeHandle {
         ) else {
             return Attempt::Fatal("the lease names an invalid provider or id".into());
         };
-        let mut control = self.jobs.control.clone();
+        let mut control = self.control.clone();
         let stream =
             match tokio::time::timeout(OPEN_TIMEOUT, control.open_stream(provider, JOB_PROTOCOL))
                 .await

@@ -56,6 +56,9 @@ pub enum LedgerError {
     /// The node is stopping.
     #[error("the ledger is closed")]
     Closed,
+    /// A ledger task stopped before it answered.
+    #[error("the ledger task failed: {0}")]
+    Task(String),
 }
 
 impl From<StoreError> for LedgerError {

@@ -34,9 +34,9 @@ use super::meter::UsageMeter;
 use super::reputation::{Outcome, Reputation};
 use super::{credits, Ledger, LedgerError, LedgerWriter, Recorded};
 use crate::lease::{LeaseRecord, LeaseRole, LeaseState};
+use crate::loop_client::PeerLink;
 use crate::router::framing;
 use crate::store::Store;
-use crate::NodeHandle;
 
 /// The settlement stream protocol.
 pub const SETTLE_PROTOCOL: StreamProtocol = StreamProtocol::new("/gpunode/settle/1.0.0");
@@ -542,13 +542,13 @@ impl Accounts {
     /// receipt is on disk before this returns.
     pub async fn answer_claims(
         &self,
-        node: &NodeHandle,
+        link: &PeerLink,
         from: PeerId,
         claims: Vec<Claim>,
     ) -> Vec<ClaimResult> {
         let local = self.ledger.local();
         let ids = claims.iter().map(|c| c.receipt.lease_id).collect();
-        let mut leases = node.leases_by_id(ids).await.unwrap_or_default();
+        let mut leases = link.client().leases_by_id(ids).await.unwrap_or_default();
         leases.resize(claims.len(), None);
         let mut results: Vec<Option<ClaimResult>> = vec![None; claims.len()];
         // All providers' signatures in one batch; one by one only if it fails.
@@ -643,10 +643,10 @@ impl Accounts {
             }
             match r {
                 ClaimResult::Countersigned(_) => {
-                    node.metrics().receipts_settled.inc();
+                    link.metrics().receipts_settled.inc();
                 }
                 ClaimResult::Rejected(rej) => {
-                    node.metrics().receipt_rejected(rej.code.label());
+                    link.metrics().receipt_rejected(rej.code.label());
                     if rej.code != ReceiptRefusal::RequesterError {
                         tracing::warn!(peer = %from, "refused a receipt: {}", rej.message);
                         disputed = true;
@@ -773,13 +773,18 @@ pub const SETTLE_STREAM_LIMITS: crate::router::StreamLimits = crate::router::Str
     exchange: Some(EXCHANGE_TIMEOUT),
 };
 
+/// Whether a peer may settle with this node.
+pub type IsMember = Arc<dyn Fn(&PeerId) -> bool + Send + Sync>;
+
 /// Requester side of settlement: answers the claims providers send (see
 /// [`SETTLE_STREAM_LIMITS`]).
 pub struct ClaimAnswers {
     /// This node's ledger.
     pub accounts: Arc<Accounts>,
-    /// The node (its leases, team and metrics).
-    pub node: NodeHandle,
+    /// The node's leases, streams and metrics.
+    pub link: PeerLink,
+    /// Whether a peer may settle with this node (a member, when in a team).
+    pub is_member: IsMember,
 }
 
 impl crate::router::StreamHandler for ClaimAnswers {
@@ -789,13 +794,14 @@ impl crate::router::StreamHandler for ClaimAnswers {
         stream: Stream,
         _gate: crate::router::StreamGate,
     ) -> futures::future::BoxFuture<'static, ()> {
-        Box::pin(async move { answer_stream(&self.accounts, &self.node, peer, stream).await })
+        Box::pin(async move { answer_stream(&self, peer, stream).await })
     }
 }
 
-async fn answer_stream(accounts: &Accounts, node: &NodeHandle, peer: PeerId, stream: Stream) {
+async fn answer_stream(answers: &ClaimAnswers, peer: PeerId, stream: Stream) {
+    let (accounts, link) = (&answers.accounts, &answers.link);
     let (mut r, mut w) = AsyncReadExt::split(stream);
-    if node.team().is_some_and(|t| !t.is_member(&peer)) {
+    if !(answers.is_member)(&peer) {
         tracing::debug!(%peer, "settlement from a non-member of the team refused");
         let _ = w.close().await;
         return;
@@ -809,11 +815,11 @@ async fn answer_stream(accounts: &Accounts, node: &NodeHandle, peer: PeerId, str
                 ))
             }
             Ok(SettleMsg::Claims(claims)) => {
-                SettleReply::Results(accounts.answer_claims(node, peer, claims).await)
+                SettleReply::Results(accounts.answer_claims(link, peer, claims).await)
             }
             Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => break,
             Err(e) => {
-                node.metrics().receipt_rejected("malformed");
+                link.metrics().receipt_rejected("malformed");
                 SettleReply::Refused(ReceiptRejection::new(
                     ReceiptRefusal::Invalid,
                     format!("malformed settlement message: {e}"),
@@ -835,7 +841,7 @@ async fn answer_stream(accounts: &Accounts, node: &NodeHandle, peer: PeerId, str
 /// requesters, until `stop`.
 pub async fn run_claims(
     accounts: Arc<Accounts>,
-    node: NodeHandle,
+    link: PeerLink,
     mut ended: mpsc::Receiver<LeaseRecord>,
     mut stop: watch::Receiver<bool>,
 ) {
@@ -858,7 +864,7 @@ pub async fn run_claims(
                 None => return,
             },
             _ = sweep.tick() => {
-                if let Ok(leases) = node.list_lease_records().await {
+                if let Ok(leases) = link.client().list_leases().await {
                     let a = accounts.clone();
                     let _ = tokio::task::spawn_blocking(move || a.make_claims(&leases)).await;
                 }
@@ -889,7 +895,7 @@ pub async fn run_claims(
             }
             let claims = accounts.waiting_claims(&peer, MAX_CLAIMS_PER_MESSAGE);
             in_flight.insert(peer);
-            let (a, n, done) = (accounts.clone(), node.clone(), done_tx.clone());
+            let (a, n, done) = (accounts.clone(), link.clone(), done_tx.clone());
             tokio::spawn(async move {
                 let ok = send_claims(&a, &n, peer, claims).await;
                 let _ = done.send((peer, ok)).await;
@@ -901,22 +907,20 @@ pub async fn run_claims(
 /// One exchange with a requester; true when it answered.
 async fn send_claims(
     accounts: &Accounts,
-    node: &NodeHandle,
+    link: &PeerLink,
     peer: PeerId,
     claims: Vec<Claim>,
 ) -> bool {
     let exchange = async {
-        let stream = node.open_stream(peer, SETTLE_PROTOCOL).await?;
+        let stream = link.open_stream(peer, SETTLE_PROTOCOL).await?;
         let (mut r, mut w) = AsyncReadExt::split(stream);
         framing::write_message(&mut w, &SettleMsg::Claims(claims.clone()))
             .await
-            .map_err(|e| crate::NodeError::Job(e.to_string()))?;
-        w.flush()
-            .await
-            .map_err(|e| crate::NodeError::Job(e.to_string()))?;
+            .map_err(crate::NodeError::Exchange)?;
+        w.flush().await.map_err(crate::NodeError::Exchange)?;
         let reply = framing::read_message::<_, SettleReply>(&mut r)
             .await
-            .map_err(|e| crate::NodeError::Job(e.to_string()))?;
+            .map_err(crate::NodeError::Exchange)?;
         let _ = w.close().await;
         Ok::<_, crate::NodeError>(reply)
     };

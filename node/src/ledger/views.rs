@@ -10,7 +10,6 @@ use serde::{Deserialize, Serialize};
 use super::chain::VerifyReport;
 use super::settle::UnsettledView;
 use super::{credits, EntryView, LedgerError};
-use crate::{NodeError, NodeHandle};
 
 /// The ledger at a glance.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -102,14 +101,10 @@ fn csv_field(s: &str) -> String {
     }
 }
 
-fn ledger_error(e: LedgerError) -> NodeError {
-    NodeError::Ledger(e)
-}
-
-impl NodeHandle {
+impl super::settle::Accounts {
     /// Balances, the `recent` newest entries and unsettled claims.
-    pub fn ledger_view(&self, recent: usize) -> Result<LedgerView, NodeError> {
-        let a = self.accounts();
+    pub fn ledger_view(&self, recent: usize) -> Result<LedgerView, LedgerError> {
+        let a = self;
         let accounts = a.ledger.accounts();
         let mut peers: Vec<PeerBalance> = accounts
             .iter()
@@ -124,7 +119,7 @@ impl NodeHandle {
         let earned: u64 = accounts.values().map(|x| x.earned).sum();
         let spent: u64 = accounts.values().map(|x| x.spent).sum();
         Ok(LedgerView {
-            peer_id: self.peer_id().to_string(),
+            peer_id: self.ledger.local().to_string(),
             balance: credits(a.ledger.balance()),
             earned: credits(earned),
             spent: credits(spent),
@@ -132,23 +127,22 @@ impl NodeHandle {
             allowance: credits(a.allowance_millicredits),
             debt_limit: credits(a.debt_limit_millicredits),
             peers,
-            recent: a.ledger.recent(recent).map_err(ledger_error)?,
+            recent: a.ledger.recent(recent)?,
             unsettled: a.unsettled(),
         })
     }
 
     /// Checks the whole chain (off the async workers).
-    pub async fn verify_ledger(&self) -> Result<VerifyReport, NodeError> {
-        let ledger = self.accounts().ledger.clone();
+    pub async fn verify_ledger(&self) -> Result<VerifyReport, LedgerError> {
+        let ledger = self.ledger.clone();
         tokio::task::spawn_blocking(move || ledger.verify())
             .await
-            .map_err(|e| NodeError::Job(e.to_string()))?
-            .map_err(ledger_error)
+            .map_err(|e| LedgerError::Task(e.to_string()))?
     }
 
     /// Every entry in `format`.
-    pub async fn export_ledger(&self, format: ExportFormat) -> Result<String, NodeError> {
-        let ledger = self.accounts().ledger.clone();
+    pub async fn export_ledger(&self, format: ExportFormat) -> Result<String, LedgerError> {
+        let ledger = self.ledger.clone();
         tokio::task::spawn_blocking(move || {
             let mut out = Vec::new();
             match format {
@@ -195,13 +189,12 @@ impl NodeHandle {
             Ok::<_, LedgerError>(String::from_utf8_lossy(&out).into_owned())
         })
         .await
-        .map_err(|e| NodeError::Job(e.to_string()))?
-        .map_err(ledger_error)
+        .map_err(|e| LedgerError::Task(e.to_string()))?
     }
 
     /// Every peer we have a reputation record or a balance with.
     pub fn peers_view(&self) -> Vec<PeerView> {
-        let a = self.accounts();
+        let a = self;
         let records = a.reputation.all();
         let accounts = a.ledger.accounts();
         let peers: BTreeSet<PeerId> = records.keys().chain(accounts.keys()).copied().collect();

@@ -16,8 +16,8 @@ use libp2p::{PeerId, Stream};
 use tokio::sync::watch;
 
 use super::{team_protocol, TeamOpError, TeamState};
+use crate::loop_client::PeerLink;
 use crate::router::framing;
-use crate::NodeHandle;
 
 /// How often members compare what they know (revocations reach everyone within about
 /// twice this).
@@ -453,8 +453,8 @@ impl TeamStream {
 pub struct TeamStreams {
     /// The team.
     pub team: Arc<Team>,
-    /// The node.
-    pub node: NodeHandle,
+    /// The node's streams and loop.
+    pub link: PeerLink,
     /// Which protocol.
     pub kind: TeamStream,
 }
@@ -468,8 +468,8 @@ impl crate::router::StreamHandler for TeamStreams {
     ) -> futures::future::BoxFuture<'static, ()> {
         Box::pin(async move {
             match self.kind {
-                TeamStream::Join => serve_join(&self.team, &self.node, peer, stream).await,
-                TeamStream::Sync => serve_sync(&self.team, &self.node, peer, stream).await,
+                TeamStream::Join => serve_join(&self.team, &self.link, peer, stream).await,
+                TeamStream::Sync => serve_sync(&self.team, &self.link, peer, stream).await,
                 TeamStream::Renew => serve_renewal(&self.team, peer, stream).await,
             }
         })
@@ -478,21 +478,21 @@ impl crate::router::StreamHandler for TeamStreams {
 
 /// Runs the team's upkeep until `stop`: who may connect as certificates and invites
 /// expire, renewal of this member's certificate, sync with members, quota use saved.
-pub async fn run(team: Arc<Team>, node: NodeHandle, mut stop: watch::Receiver<bool>) {
-    node.set_team_allowed(team.allowed()).await;
+pub async fn run(team: Arc<Team>, link: PeerLink, mut stop: watch::Receiver<bool>) {
+    link.client().set_team_allowed(team.allowed()).await;
     let mut every = tokio::time::interval(SYNC_EVERY);
     loop {
         tokio::select! {
             _ = every.tick() => {
                 team.save_grants();
                 if let Some(allowed) = team.tick() {
-                    node.set_team_allowed(allowed).await;
+                    link.client().set_team_allowed(allowed).await;
                 }
                 if team.needs_renewal(now_ms()) && !team.renew_self(now_ms()) {
-                    let (t, n) = (team.clone(), node.clone());
+                    let (t, n) = (team.clone(), link.clone());
                     tokio::spawn(async move { renew_from_admin(&t, &n).await });
                 }
-                let (t, n) = (team.clone(), node.clone());
+                let (t, n) = (team.clone(), link.clone());
                 tokio::spawn(async move { sync_with_members(&t, &n).await });
             }
             _ = stop.changed() => {
@@ -508,7 +508,7 @@ fn grants_file(data_dir: &std::path::Path) -> PathBuf {
     super::team_dir(data_dir).join("grants")
 }
 
-async fn serve_join(team: &Team, node: &NodeHandle, peer: PeerId, stream: Stream) {
+async fn serve_join(team: &Team, link: &PeerLink, peer: PeerId, stream: Stream) {
     let (mut r, mut w) = AsyncReadExt::split(stream);
     let (reply, allowed) = match framing::read_message::<_, JoinRequest>(&mut r).await {
         Ok(req) => team.answer_join(peer, req),
@@ -522,10 +522,10 @@ async fn serve_join(team: &Team, node: &NodeHandle, peer: PeerId, stream: Stream
     let _ = w.close().await;
     // Only now: a spent invite's join identity is dropped with this, after its answer.
     if let Some(a) = allowed {
-        node.set_team_allowed(a).await;
+        link.client().set_team_allowed(a).await;
     }
     if matches!(reply, JoinReply::Admitted { .. }) {
-        sync_with_members(team, node).await;
+        sync_with_members(team, link).await;
     }
 }
 
@@ -542,10 +542,8 @@ async fn serve_renewal(team: &Team, peer: PeerId, stream: Stream) {
 }
 
 /// Asks a connected admin for a fresh certificate.
-async fn renew_from_admin(team: &Team, node: &NodeHandle) {
-    let Ok(status) = node.status().await else {
-        return;
-    };
+async fn renew_from_admin(team: &Team, link: &PeerLink) {
+    let connected = link.connected_peers().await;
     let (team_id, own, admins) = {
         let s = team.lock();
         let admins: HashSet<PeerId> = s
@@ -556,15 +554,10 @@ async fn renew_from_admin(team: &Team, node: &NodeHandle) {
             .collect();
         (s.team, s.own.clone(), admins)
     };
-    for admin in status
-        .connected_peers
-        .iter()
-        .filter_map(|p| p.parse::<PeerId>().ok())
-        .filter(|p| admins.contains(p))
-    {
+    for admin in connected.into_iter().filter(|p| admins.contains(p)) {
         let own = own.clone();
         let exchange = async {
-            let stream = node
+            let stream = link
                 .open_stream(admin, team_protocol(&team_id, "renew"))
                 .await
                 .ok()?;
@@ -594,14 +587,14 @@ async fn renew_from_admin(team: &Team, node: &NodeHandle) {
                 }
             };
             if let Some(a) = allowed {
-                node.set_team_allowed(a).await;
+                link.client().set_team_allowed(a).await;
             }
             return;
         }
     }
 }
 
-async fn serve_sync(team: &Team, node: &NodeHandle, peer: PeerId, stream: Stream) {
+async fn serve_sync(team: &Team, link: &PeerLink, peer: PeerId, stream: Stream) {
     let (mut r, mut w) = AsyncReadExt::split(stream);
     if !team.is_member(&peer) {
         tracing::debug!(%peer, "team sync from a non-member refused");
@@ -611,7 +604,7 @@ async fn serve_sync(team: &Team, node: &NodeHandle, peer: PeerId, stream: Stream
     match framing::read_message::<_, TeamSync>(&mut r).await {
         Ok(sync) => {
             if let Some(a) = team.merge(sync) {
-                node.set_team_allowed(a).await;
+                link.client().set_team_allowed(a).await;
             }
             let _ = framing::write_message(&mut w, &team.sync_msg()).await;
             let _ = w.flush().await;
@@ -622,22 +615,18 @@ async fn serve_sync(team: &Team, node: &NodeHandle, peer: PeerId, stream: Stream
 }
 
 /// Tells every connected member what we know and takes what they know.
-pub(crate) async fn sync_with_members(team: &Team, node: &NodeHandle) {
-    let Ok(status) = node.status().await else {
-        return;
-    };
+pub(crate) async fn sync_with_members(team: &Team, link: &PeerLink) {
+    let connected = link.connected_peers().await;
     let team_id = team.lock().team;
     let members: HashSet<PeerId> = team.lock().members.iter().map(|c| c.cert.member).collect();
     let allowed = team.allowed();
-    for peer in status
-        .connected_peers
-        .iter()
-        .filter_map(|p| p.parse::<PeerId>().ok())
+    for peer in connected
+        .into_iter()
         .filter(|p| members.contains(p) && allowed.contains(p))
     {
         let msg = team.sync_msg();
         let exchange = async {
-            let stream = node
+            let stream = link
                 .open_stream(peer, team_protocol(&team_id, "sync"))
                 .await
                 .ok()?;
@@ -650,60 +639,67 @@ pub(crate) async fn sync_with_members(team: &Team, node: &NodeHandle) {
         };
         if let Ok(Some(reply)) = tokio::time::timeout(EXCHANGE_TIMEOUT, exchange).await {
             if let Some(a) = team.merge(reply) {
-                node.set_team_allowed(a).await;
+                link.client().set_team_allowed(a).await;
             }
         }
     }
 }
 
-impl NodeHandle {
-    fn team_or_err(&self) -> Result<&Arc<Team>, TeamOpError> {
-        self.team().ok_or(TeamOpError::NoTeam)
+/// What admins and members ask of their team through the node: invites, members,
+/// policy, revocations, the team view.
+#[derive(Debug, Clone)]
+pub struct TeamService {
+    team: Arc<Team>,
+    link: PeerLink,
+}
+
+impl TeamService {
+    /// The service of `team` over `link`.
+    pub fn new(team: Arc<Team>, link: PeerLink) -> TeamService {
+        TeamService { team, link }
     }
 
     /// Issues an invite token (admins only).
-    pub async fn team_invite(
+    pub async fn invite(
         &self,
         role: Role,
         uses: u32,
         expires_ms: u64,
         bootstrap: Vec<String>,
     ) -> Result<InviteToken, TeamOpError> {
-        let (token, allowed) = self
-            .team_or_err()?
-            .invite(role, uses, expires_ms, bootstrap)?;
+        let (token, allowed) = self.team.invite(role, uses, expires_ms, bootstrap)?;
         if let Some(a) = allowed {
-            self.set_team_allowed(a).await;
+            self.link.client().set_team_allowed(a).await;
         }
         Ok(token)
     }
 
     /// Admits a known peer id without a token (admins only) and tells the members.
-    pub async fn team_add(&self, peer: PeerId, role: Role) -> Result<(), TeamOpError> {
-        let team = self.team_or_err()?.clone();
+    pub async fn add(&self, peer: PeerId, role: Role) -> Result<(), TeamOpError> {
+        let team = self.team.clone();
         if let Some(a) = team.add(peer, role)? {
-            self.set_team_allowed(a).await;
+            self.link.client().set_team_allowed(a).await;
         }
-        sync_with_members(&team, self).await;
+        sync_with_members(&team, &self.link).await;
         Ok(())
     }
 
     /// Sets the team policy from its file text (admins only) and tells the members.
-    pub async fn team_set_policy(&self, text: &str) -> Result<u64, TeamOpError> {
-        let team = self.team_or_err()?.clone();
+    pub async fn set_policy(&self, text: &str) -> Result<u64, TeamOpError> {
+        let team = self.team.clone();
         let seq = team.set_policy(text)?;
-        sync_with_members(&team, self).await;
+        sync_with_members(&team, &self.link).await;
         Ok(seq)
     }
 
     /// Revokes a member (admins only): it is dropped here at once and by the other
     /// members as the revocation reaches them.
-    pub async fn team_revoke(&self, peer: PeerId) -> Result<(), TeamOpError> {
-        let team = self.team_or_err()?.clone();
+    pub async fn revoke(&self, peer: PeerId) -> Result<(), TeamOpError> {
+        let team = self.team.clone();
         if let Some(a) = team.revoke(peer)? {
-            self.set_team_allowed(a).await;
+            self.link.client().set_team_allowed(a).await;
         }
-        sync_with_members(&team, self).await;
+        sync_with_members(&team, &self.link).await;
         Ok(())
     }
 }
@@ -774,31 +770,23 @@ impl TeamView {
     }
 }
 
-impl NodeHandle {
+impl TeamService {
     /// The team as `gpunode team members` shows it.
-    pub async fn team_view(&self) -> Result<TeamView, TeamOpError> {
-        let team = self.team_or_err()?;
-        let connected: HashSet<PeerId> = self
-            .status()
-            .await
-            .map(|s| {
-                s.connected_peers
-                    .iter()
-                    .filter_map(|p| p.parse().ok())
-                    .collect()
-            })
-            .unwrap_or_default();
-        Ok(TeamView::of(&team.state(), &connected))
+    pub async fn view(&self) -> TeamView {
+        let connected: HashSet<PeerId> = self.link.connected_peers().await.into_iter().collect();
+        TeamView::of(&self.team.state(), &connected)
     }
 
     /// An invite token whose bootstrap addresses are this node's reachable addresses.
-    pub async fn team_invite_here(
+    pub async fn invite_here(
         &self,
         role: Role,
         uses: u32,
         expires_ms: u64,
     ) -> Result<InviteToken, TeamOpError> {
         let status = self
+            .link
+            .client()
             .status()
             .await
             .map_err(|e| TeamOpError::Invalid(e.to_string()))?;
@@ -810,6 +798,6 @@ impl NodeHandle {
             ));
         }
         bootstrap.truncate(8);
-        self.team_invite(role, uses, expires_ms, bootstrap).await
+        self.invite(role, uses, expires_ms, bootstrap).await
     }
 }
