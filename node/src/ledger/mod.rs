@@ -10,8 +10,10 @@
 //! [`meter`] records usage per lease; [`settle`] runs the settlement protocol; [`Accounts`]
 //! bundles them for the rest of the node.
 
+pub mod accounts;
 pub mod chain;
 pub mod checks;
+pub mod claims;
 pub mod meter;
 pub mod newcomers;
 pub mod reputation;

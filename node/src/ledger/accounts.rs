@@ -1,0 +1,306 @@
+//! The credit side of a node: [`Accounts`] holds the ledger, reputation, usage meters,
+//! claims and refused receipts, and the admission rules that use them (standing, the
+//! debt limit, the strangers' allowance). Claims are made and answered in
+//! [`super::claims`]; they travel on the settlement protocol in [`super::settle`].
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use gpunode_protocol::lease::{LeaseId, RejectCode, Rejection};
+use libp2p::identity::Keypair;
+use libp2p::PeerId;
+use tokio::sync::watch;
+
+use super::meter::UsageMeter;
+use super::reputation::Reputation;
+use super::{credits, Ledger, LedgerError, LedgerWriter};
+use crate::lease::LeaseRecord;
+use crate::store::Store;
+
+use super::claims::{ClaimBook, StoredClaim, CLAIMS_TREE};
+
+/// Ways a node can be told to cheat, so test networks can check that cheats are caught.
+/// Never set from configuration.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Misbehaviour {
+    /// Bill this many times the metered run time (1 or 0: honest).
+    pub inflate_billing: u64,
+    /// Flip bytes in every output file before sending it.
+    pub corrupt_outputs: bool,
+    /// Announce the first output file under this name (a path that escapes, say).
+    pub evil_output_name: Option<&'static str>,
+    /// Charge this many times the advertised price in offers (0 or 1: honest).
+    pub overcharge: u64,
+    /// Offer every lease under this id (a provider trying to overwrite the requester's
+    /// record of another lease).
+    pub fixed_lease_id: Option<[u8; 16]>,
+}
+
+/// The credit side of a node: ledger, reputation, usage meters, unsettled claims and the
+/// admission rules that use them.
+pub struct Accounts {
+    /// The ledger.
+    pub ledger: Arc<Ledger>,
+    /// Scores of peers.
+    pub reputation: Reputation,
+    /// Usage of leases we provide, metered by our jobs.
+    pub metered: UsageMeter,
+    /// Usage of leases we hold, as observed here.
+    pub observed: UsageMeter,
+    pub(super) claims: Mutex<ClaimBook>,
+    /// Provider side: ended leases whose last job is still stopping; their claims are
+    /// made when it has ended.
+    pub(super) deferred: Mutex<Vec<LeaseRecord>>,
+    /// Requester side: receipts we refused, by lease (why), the newest
+    /// [`MAX_REFUSED_KEPT`] until the process ends.
+    pub(super) refused: Mutex<RefusedReceipts>,
+    /// Bumped after every batch of claims we answered.
+    pub(super) answered: watch::Sender<u64>,
+    pub(super) store: Store,
+    pub(super) keypair: Keypair,
+    /// Credits a new peer may use here, millicredits.
+    pub allowance_millicredits: u64,
+    /// Debt past the allowance tolerated, millicredits.
+    pub debt_limit_millicredits: u64,
+    /// Lowest reputation admitted.
+    pub min_reputation: f64,
+    /// Strangers drawing on the allowance (bounded per day, see
+    /// [`super::newcomers`]).
+    pub newcomers: super::newcomers::Newcomers,
+    /// Cheating switches for test networks.
+    pub misbehaviour: Misbehaviour,
+}
+
+impl std::fmt::Debug for Accounts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Accounts").finish_non_exhaustive()
+    }
+}
+
+/// Credit settings.
+#[derive(Debug, Clone, Copy)]
+pub struct CreditPolicy {
+    /// Credits a new peer may use, millicredits.
+    pub allowance_millicredits: u64,
+    /// Debt past the allowance tolerated, millicredits.
+    pub debt_limit_millicredits: u64,
+    /// Lowest reputation admitted.
+    pub min_reputation: f64,
+    /// New peer ids a day that may draw on the allowance outside a team (0: no limit).
+    pub new_peers_on_credit_per_day: u32,
+}
+
+impl Accounts {
+    /// Opens everything from `store`; spawn the returned writer.
+    pub fn open(
+        store: Store,
+        keypair: Keypair,
+        policy: CreditPolicy,
+        misbehaviour: Misbehaviour,
+    ) -> Result<(Arc<Accounts>, LedgerWriter), LedgerError> {
+        let (ledger, writer) = Ledger::open(store.clone(), keypair.clone())?;
+        let mut claims = ClaimBook::default();
+        for (k, v) in store.scan(CLAIMS_TREE)? {
+            if let (Ok(id), Ok(c)) = (<[u8; 16]>::try_from(k.as_slice()), StoredClaim::decode(&v)) {
+                claims.insert(LeaseId(id), c);
+            }
+        }
+        let accounts = Accounts {
+            ledger,
+            reputation: Reputation::open(store.clone())?,
+            metered: UsageMeter::open(store.clone(), "metered")?,
+            observed: UsageMeter::open(store.clone(), "observed")?,
+            claims: Mutex::new(claims),
+            deferred: Mutex::new(Vec::new()),
+            refused: Mutex::new(RefusedReceipts::default()),
+            answered: watch::channel(0).0,
+            store,
+            keypair,
+            allowance_millicredits: policy.allowance_millicredits,
+            debt_limit_millicredits: policy.debt_limit_millicredits,
+            min_reputation: policy.min_reputation,
+            newcomers: super::newcomers::Newcomers::new(policy.new_peers_on_credit_per_day),
+            misbehaviour,
+        };
+        Ok((Arc::new(accounts), writer))
+    }
+
+    pub(super) fn claims(&self) -> std::sync::MutexGuard<'_, ClaimBook> {
+        self.claims.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// What `peer` has claimed from us and not settled, millicredits (disputed included).
+    pub fn unsettled_with(&self, peer: &PeerId) -> u64 {
+        self.claims().owed.get(peer).copied().unwrap_or(0)
+    }
+
+    /// Refused receipts whose reasons are kept (bounded).
+    pub fn refused_count(&self) -> usize {
+        self.refused
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .why
+            .len()
+    }
+
+    /// Unsettled claims: (pending, disputed).
+    pub fn claim_counts(&self) -> (usize, usize) {
+        let claims = self.claims();
+        let disputed = claims.values().filter(|c| c.disputed.is_some()).count();
+        (claims.len() - disputed, disputed)
+    }
+
+    /// Give-to-get standing of `peer` here, millicredits: the allowance, plus what it
+    /// provided to us, minus what it used here (settled or claimed).
+    pub fn standing(&self, peer: &PeerId) -> i128 {
+        self.standing_with(peer, self.allowance_millicredits)
+    }
+
+    /// [`Accounts::standing`] with another allowance (a team policy's).
+    pub fn standing_with(&self, peer: &PeerId, allowance_millicredits: u64) -> i128 {
+        let a = self.ledger.account(peer);
+        allowance_millicredits as i128 + a.spent as i128
+            - a.earned as i128
+            - self.unsettled_with(peer) as i128
+    }
+
+    /// Whether `peer` may take a lease that can cost up to `new_max` while its open
+    /// leases here can cost up to `open_exposure` (millicredits).
+    pub fn admit(
+        &self,
+        peer: &PeerId,
+        open_exposure: u64,
+        new_max: u64,
+        allowance_override: Option<u64>,
+    ) -> Result<(), Rejection> {
+        // Outside a team, a peer that would draw on the allowance gets its share of the
+        // strangers' allowance of the day (Sybil ids cannot mint credit).
+        let now = gpunode_protocol::time::now_ms();
+        let own = self.standing_with(peer, 0);
+        let draws =
+            allowance_override.is_none() && own - open_exposure as i128 - (new_max as i128) < 0;
+        let allowance = match allowance_override {
+            Some(a) => a,
+            None if draws => self
+                .newcomers
+                .allowance_for(peer, self.allowance_millicredits, now),
+            None => self.allowance_millicredits,
+        };
+        let score = self.reputation.score(peer);
+        if score < self.min_reputation {
+            return Err(Rejection::new(
+                RejectCode::LowReputation,
+                format!(
+                    "your reputation with this provider is {score:.2}, below its minimum of {:.2} (after failed, disputed or mismatched work); it recovers with time",
+                    self.min_reputation
+                ),
+            ));
+        }
+        let standing = self.standing_with(peer, allowance);
+        let after = standing - open_exposure as i128 - new_max as i128;
+        if after < -(self.debt_limit_millicredits as i128) {
+            return Err(Rejection::new(
+                RejectCode::DebtLimit,
+                format!(
+                    "debt limit reached: your standing with this provider is {:.3} credits (allowance {:.3}, plus what you provided it, minus what you used or owe), your open leases here can cost {:.3} and this one {:.3}, which would take you past its debt limit of {:.3}; provide resources to others (gpunode serve) to earn credits, or ask for less",
+                    credits(standing),
+                    credits(allowance),
+                    credits(open_exposure),
+                    credits(new_max),
+                    credits(self.debt_limit_millicredits),
+                ),
+            ));
+        }
+        if draws {
+            self.newcomers.drawing(peer, now);
+        }
+        Ok(())
+    }
+}
+
+/// How many refused receipts' reasons are kept (a peer chooses the lease ids of the
+/// claims it sends, so the map must not grow with them).
+const MAX_REFUSED_KEPT: usize = 4096;
+
+/// Why receipts were refused, by lease, the oldest forgotten first.
+#[derive(Default)]
+pub(super) struct RefusedReceipts {
+    why: HashMap<LeaseId, String>,
+    order: std::collections::VecDeque<LeaseId>,
+}
+
+impl RefusedReceipts {
+    pub(super) fn insert(&mut self, lease: LeaseId, why: String) {
+        if self.why.insert(lease, why).is_none() {
+            self.order.push_back(lease);
+        }
+        while self.order.len() > MAX_REFUSED_KEPT {
+            if let Some(old) = self.order.pop_front() {
+                self.why.remove(&old);
+            }
+        }
+    }
+
+    pub(super) fn get(&self, lease: &LeaseId) -> Option<String> {
+        self.why.get(lease).cloned()
+    }
+}
+
+#[cfg(test)]
+mod accounts_tests {
+    use super::*;
+
+    #[test]
+    fn sybil_strangers_cannot_mint_credit_but_team_members_keep_theirs() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let store = Store::open(dir.path()).expect("store");
+        let (accounts, _writer) = Accounts::open(
+            store,
+            Keypair::generate_ed25519(),
+            CreditPolicy {
+                allowance_millicredits: 10_000,
+                debt_limit_millicredits: 0,
+                min_reputation: 0.0,
+                new_peers_on_credit_per_day: 2,
+            },
+            Misbehaviour::default(),
+        )
+        .expect("open");
+        // The first new id may use its whole allowance, the second half of it.
+        let first = PeerId::random();
+        accounts.admit(&first, 0, 10_000, None).expect("first");
+        let second = PeerId::random();
+        assert!(accounts.admit(&second, 0, 10_000, None).is_err());
+        accounts
+            .admit(&second, 0, 5_000, None)
+            .expect("second, half");
+        // Then fresh ids get nothing, however many are made.
+        for _ in 0..50 {
+            let sybil = PeerId::random();
+            let err = accounts.admit(&sybil, 0, 1, None).expect_err("sybil");
+            assert_eq!(err.code, RejectCode::DebtLimit);
+        }
+        // The first keeps its share; a team's allowance is not limited this way.
+        accounts
+            .admit(&first, 0, 10_000, None)
+            .expect("first again");
+        accounts
+            .admit(&PeerId::random(), 0, 10_000, Some(10_000))
+            .expect("a team member");
+    }
+
+    #[test]
+    fn refused_receipts_are_bounded_oldest_first() {
+        let mut r = RefusedReceipts::default();
+        for i in 0..(MAX_REFUSED_KEPT + 10) as u32 {
+            let mut id = [0u8; 16];
+            id[..4].copy_from_slice(&i.to_le_bytes());
+            r.insert(LeaseId(id), format!("why {i}"));
+        }
+        assert_eq!(r.why.len(), MAX_REFUSED_KEPT);
+        assert_eq!(r.get(&LeaseId([0; 16])), None, "the oldest went first");
+        let mut last = [0u8; 16];
+        last[..4].copy_from_slice(&((MAX_REFUSED_KEPT + 9) as u32).to_le_bytes());
+        assert!(r.get(&LeaseId(last)).is_some());
+    }
+}
