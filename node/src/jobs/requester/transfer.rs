@@ -1,0 +1,261 @@
+//! One attempt on a leased provider: open the job stream, upload what the provider
+//! lacks, relay the task's output as it comes, download and verify the output files.
+
+use std::collections::HashMap;
+
+use futures::{AsyncReadExt, AsyncWriteExt};
+use gpunode_protocol::job::{
+    BlobHash, JobOutcome, JobRefusal, JobReport, ProviderMsg, RequesterMsg,
+};
+use gpunode_protocol::lease::LeaseId;
+use libp2p::PeerId;
+use tokio::sync::watch;
+
+use super::JOB_PROTOCOL;
+use super::{outputs, wire};
+use crate::router::framing;
+use crate::LeaseView;
+
+use super::prepare::{LocalFile, Prepared};
+use super::types::*;
+use super::*;
+
+/// How one attempt ended.
+pub(super) enum Attempt {
+    Done(JobReport),
+    /// The provider refused or failed; another may do.
+    Retry(String),
+    /// No provider can do this (the module or request is bad).
+    Fatal(String),
+}
+
+impl Requester {
+    pub(super) async fn attempt(
+        &self,
+        req: &JobRequest,
+        prepared: &Prepared,
+        lease: &LeaseView,
+        events: &mut (dyn FnMut(JobEvent) + Send),
+        cancel: &mut watch::Receiver<bool>,
+    ) -> Attempt {
+        let (Ok(provider), Ok(lease_id)) = (
+            lease.provider.parse::<PeerId>(),
+            lease.lease_id.parse::<LeaseId>(),
+        ) else {
+            return Attempt::Fatal("the lease names an invalid provider or id".into());
+        };
+        let mut control = self.control.clone();
+        let stream =
+            match tokio::time::timeout(OPEN_TIMEOUT, control.open_stream(provider, JOB_PROTOCOL))
+                .await
+            {
+                Ok(Ok(s)) => s,
+                Ok(Err(e)) => return Attempt::Retry(format!("cannot open a job stream: {e}")),
+                Err(_) => return Attempt::Retry("opening a job stream timed out".into()),
+            };
+        let (mut r, mut w) = AsyncReadExt::split(stream);
+        let submit = prepared.submit(req, lease_id);
+        let lost = |e: std::io::Error| Attempt::Retry(format!("the provider went away: {e}"));
+        if let Err(e) = framing::write_message(&mut w, &RequesterMsg::Submit(submit)).await {
+            return lost(e);
+        }
+        if let Err(e) = w.flush().await {
+            return lost(e);
+        }
+        let missing = match framing::read_message::<_, ProviderMsg>(&mut r).await {
+            Ok(ProviderMsg::Accepted { missing }) => missing,
+            Ok(ProviderMsg::Rejected(rej)) => return refused(rej),
+            Ok(other) => return Attempt::Retry(format!("unexpected answer {other:?}")),
+            Err(e) => return lost(e),
+        };
+        if let Err(e) = self.upload(prepared, &missing, &mut w, events).await {
+            return lost(e);
+        }
+
+        let (report, cancel_sent) = match follow(&mut r, &mut w, lease, events, cancel).await {
+            Ok(followed) => followed,
+            Err(ended) => return ended,
+        };
+        if report.outcome == JobOutcome::Preempted {
+            return Attempt::Retry(PREEMPTED.into());
+        }
+        if report.outcome == JobOutcome::Cancelled && !cancel_sent {
+            // Not our doing: the provider ended the lease, shut down or was preempted.
+            return Attempt::Retry(STOPPED_UNASKED.into());
+        }
+        match self.download(req, &report, &mut r, events).await {
+            Ok(()) => Attempt::Done(report),
+            Err(e) => Attempt::Retry(format!("downloading outputs failed: {e}")),
+        }
+    }
+
+    async fn upload<W: futures::AsyncWrite + Unpin>(
+        &self,
+        prepared: &Prepared,
+        missing: &[BlobHash],
+        w: &mut W,
+        events: &mut (dyn FnMut(JobEvent) + Send),
+    ) -> std::io::Result<()> {
+        let by_hash: HashMap<BlobHash, &LocalFile> = prepared
+            .inputs
+            .iter()
+            .map(|f| (f.file.blob.hash, f))
+            .collect();
+        let program = prepared.program.blob();
+        for hash in missing {
+            match (program, &prepared.image) {
+                (Some(blob), None) if blob.hash == *hash => {
+                    wire::send_blob(w, &mut &prepared.module[..], blob.size, |_| {}).await?;
+                    continue;
+                }
+                (Some(blob), Some(path)) if blob.hash == *hash => {
+                    let mut src = tokio::fs::File::open(path).await?;
+                    let name = path
+                        .file_name()
+                        .map(|n| n.to_string_lossy().into_owned())
+                        .unwrap_or_else(|| "image".into());
+                    let mut report = progress_reporter("upload", &name, blob.size, events);
+                    wire::send_blob(w, &mut src, blob.size, &mut report).await?;
+                    continue;
+                }
+                _ => {}
+            }
+            let Some(local) = by_hash.get(hash) else {
+                return Err(std::io::Error::other(
+                    "the provider asked for a blob this job does not have",
+                ));
+            };
+            let size = local.file.blob.size;
+            let mut src = tokio::fs::File::open(&local.path).await?;
+            let name = local.file.path.clone();
+            let mut report = progress_reporter("upload", &name, size, events);
+            wire::send_blob(w, &mut src, size, &mut report).await?;
+        }
+        w.flush().await
+    }
+
+    async fn download<R: futures::AsyncRead + Unpin>(
+        &self,
+        req: &JobRequest,
+        report: &JobReport,
+        r: &mut R,
+        events: &mut (dyn FnMut(JobEvent) + Send),
+    ) -> std::io::Result<()> {
+        if report.outputs.is_empty() {
+            return Ok(());
+        }
+        let limits = req.output_limits();
+        // Refused before the staging directory exists: nothing is written at all.
+        limits
+            .check(&report.outputs)
+            .map_err(std::io::Error::other)?;
+        let staging = outputs::Staging::beside(&req.output_dir)?;
+        let mut steps = (String::new(), ProgressSteps::default());
+        outputs::receive_outputs(&staging, &report.outputs, &limits, r, |f, done| {
+            if steps.0 != f.path {
+                steps = (f.path.clone(), ProgressSteps::default());
+            }
+            if steps.1.due(done, f.blob.size) {
+                events(JobEvent::Progress {
+                    direction: "download".into(),
+                    name: f.path.clone(),
+                    done,
+                    total: f.blob.size,
+                });
+            }
+        })
+        .await?;
+        staging.commit(&req.output_dir)
+    }
+}
+
+/// When to report a transfer's progress: every 8 MiB and at the end (small files: never).
+#[derive(Default)]
+struct ProgressSteps {
+    last: u64,
+}
+
+impl ProgressSteps {
+    fn due(&mut self, done: u64, total: u64) -> bool {
+        const STEP: u64 = 8 << 20;
+        let due = total >= STEP && (done.saturating_sub(self.last) >= STEP || done == total);
+        if due {
+            self.last = done;
+        }
+        due
+    }
+}
+
+/// Progress events for one file: every 8 MiB and at the end (small files: none).
+fn progress_reporter<'a>(
+    direction: &'a str,
+    name: &'a str,
+    total: u64,
+    events: &'a mut (dyn FnMut(JobEvent) + Send),
+) -> impl FnMut(u64) + 'a {
+    let mut steps = ProgressSteps::default();
+    move |done| {
+        if steps.due(done, total) {
+            events(JobEvent::Progress {
+                direction: direction.to_string(),
+                name: name.to_string(),
+                done,
+                total,
+            });
+        }
+    }
+}
+
+pub(super) fn refused(rej: gpunode_protocol::job::JobRejection) -> Attempt {
+    match rej.code {
+        JobRefusal::InvalidModule | JobRefusal::BadRequest => Attempt::Fatal(rej.message),
+        _ => Attempt::Retry(rej.message),
+    }
+}
+
+/// Follows the run until its report: the provider's events are passed on, and a cancel
+/// is passed on once, after which the provider has [`CANCEL_GRACE`] to confirm. Returns
+/// the report and whether this side cancelled; `Err` is how the attempt ended instead.
+async fn follow<R, W>(
+    r: &mut R,
+    w: &mut W,
+    lease: &LeaseView,
+    events: &mut (dyn FnMut(JobEvent) + Send),
+    cancel: &mut watch::Receiver<bool>,
+) -> Result<(JobReport, bool), Attempt>
+where
+    R: futures::AsyncRead + Unpin,
+    W: futures::AsyncWrite + Unpin,
+{
+    let mut cancel_sent = false;
+    let mut cancel_deadline: Option<tokio::time::Instant> = None;
+    loop {
+        let next = framing::read_message::<_, ProviderMsg>(r);
+        let msg = tokio::select! {
+            m = next => m,
+            _ = cancel.changed(), if !cancel_sent => {
+                cancel_sent = true;
+                cancel_deadline = Some(tokio::time::Instant::now() + CANCEL_GRACE);
+                let _ = framing::write_message(w, &RequesterMsg::Cancel).await;
+                let _ = w.flush().await;
+                continue;
+            }
+            _ = sleep_until_opt(cancel_deadline) => {
+                return Err(Attempt::Fatal("cancelled (the provider did not confirm)".into()));
+            }
+        };
+        match msg {
+            Ok(ProviderMsg::Started) => events(JobEvent::Started {
+                provider: lease.provider.clone(),
+            }),
+            Ok(ProviderMsg::Stdout(data)) => events(JobEvent::Stdout { data }),
+            Ok(ProviderMsg::Stderr(data)) => events(JobEvent::Stderr { data }),
+            Ok(ProviderMsg::Finished(report)) => return Ok((report, cancel_sent)),
+            Ok(ProviderMsg::Rejected(rej)) => return Err(refused(rej)),
+            Ok(ProviderMsg::Accepted { .. }) => {
+                return Err(Attempt::Retry("the provider repeated itself".into()))
+            }
+            Err(e) => return Err(Attempt::Retry(format!("the provider went away: {e}"))),
+        }
+    }
+}
