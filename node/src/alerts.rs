@@ -7,7 +7,7 @@
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
-use gpunode_protocol::gpu::mig_profile;
+use gpunode_protocol::gpu::{mig_profile, GpuInfo};
 use gpunode_protocol::time::UnixMillis;
 
 use crate::inventory::InventorySnapshot;
@@ -74,61 +74,12 @@ impl AlertWatch {
         let mut raised = Vec::new();
         for gpu in &snap.gpus {
             let id = format!("GPU {} ({})", gpu.index, gpu.uuid);
-            let mut conditions: Vec<(&'static str, Option<String>)> = Vec::new();
-            let hot = match (self.rules.temperature_c, gpu.temperature_c) {
-                (Some(limit), Some(t)) if limit > 0 && t >= limit => {
-                    Some(format!("{id} is at {t} °C (alert at {limit} °C)"))
-                }
-                _ => None,
-            };
-            conditions.push(("temperature", hot));
-            let full = match self.rules.memory_percent {
-                Some(limit) if limit > 0 && gpu.memory_total_bytes > 0 => {
-                    let pct = gpu.memory_used_bytes.saturating_mul(100) / gpu.memory_total_bytes;
-                    (pct >= limit as u64).then(|| {
-                        format!("{id} has {pct}% of its memory in use (alert at {limit}%)")
-                    })
-                }
-                _ => None,
-            };
-            conditions.push(("memory", full));
-            let idle = match self.rules.idle_leased_after {
-                // MIG instances report no utilization: no idle alert for them.
-                Some(after)
-                    if !after.is_zero()
-                        && leased.contains(&gpu.uuid)
-                        && gpu.utilization_percent == 0
-                        && mig_profile(&gpu.name).is_none() =>
-                {
-                    let since = *self.idle_since.entry(gpu.uuid.clone()).or_insert(now);
-                    (now.saturating_sub(since) >= after.as_millis() as u64).then(|| {
-                        format!(
-                            "{id} is leased but has been at 0% use for {} s",
-                            (now - since) / 1000
-                        )
-                    })
-                }
-                _ => {
-                    self.idle_since.remove(&gpu.uuid);
-                    None
-                }
-            };
-            conditions.push(("idle_leased", idle));
-            let ecc = match (self.rules.ecc, gpu.ecc_uncorrected) {
-                (true, Some(n)) => {
-                    let before = self.ecc_seen.insert(gpu.uuid.clone(), n);
-                    match before {
-                        Some(b) if n > b => Some(format!(
-                            "{id} reported {} new uncorrected ECC error(s) ({n} since the driver loaded)",
-                            n - b
-                        )),
-                        // Errors from before the node started are not news.
-                        _ => None,
-                    }
-                }
-                _ => None,
-            };
-            conditions.push(("ecc", ecc));
+            let conditions: [(&'static str, Option<String>); 4] = [
+                ("temperature", self.too_hot(gpu, &id)),
+                ("memory", self.memory_full(gpu, &id)),
+                ("idle_leased", self.idle_leased(gpu, &id, leased, now)),
+                ("ecc", self.new_ecc_errors(gpu, &id)),
+            ];
             for (kind, message) in conditions {
                 let key = (kind, gpu.uuid.clone());
                 match message {
@@ -148,6 +99,78 @@ impl AlertWatch {
             }
         }
         raised
+    }
+
+    /// The message when `gpu` is at or above the temperature limit.
+    fn too_hot(&self, gpu: &GpuInfo, id: &str) -> Option<String> {
+        match (self.rules.temperature_c, gpu.temperature_c) {
+            (Some(limit), Some(t)) if limit > 0 && t >= limit => {
+                Some(format!("{id} is at {t} °C (alert at {limit} °C)"))
+            }
+            _ => None,
+        }
+    }
+
+    /// The message when `gpu` has at least the limit's share of its memory in use.
+    fn memory_full(&self, gpu: &GpuInfo, id: &str) -> Option<String> {
+        match self.rules.memory_percent {
+            Some(limit) if limit > 0 && gpu.memory_total_bytes > 0 => {
+                let pct = gpu.memory_used_bytes.saturating_mul(100) / gpu.memory_total_bytes;
+                (pct >= limit as u64)
+                    .then(|| format!("{id} has {pct}% of its memory in use (alert at {limit}%)"))
+            }
+            _ => None,
+        }
+    }
+
+    /// The message when `gpu` is leased but has been idle for the rule's time (counted
+    /// from when it was first seen idle while leased).
+    fn idle_leased(
+        &mut self,
+        gpu: &GpuInfo,
+        id: &str,
+        leased: &HashSet<String>,
+        now: UnixMillis,
+    ) -> Option<String> {
+        match self.rules.idle_leased_after {
+            // MIG instances report no utilization: no idle alert for them.
+            Some(after)
+                if !after.is_zero()
+                    && leased.contains(&gpu.uuid)
+                    && gpu.utilization_percent == 0
+                    && mig_profile(&gpu.name).is_none() =>
+            {
+                let since = *self.idle_since.entry(gpu.uuid.clone()).or_insert(now);
+                (now.saturating_sub(since) >= after.as_millis() as u64).then(|| {
+                    format!(
+                        "{id} is leased but has been at 0% use for {} s",
+                        (now - since) / 1000
+                    )
+                })
+            }
+            _ => {
+                self.idle_since.remove(&gpu.uuid);
+                None
+            }
+        }
+    }
+
+    /// The message when `gpu` reported uncorrected ECC errors since the last snapshot.
+    fn new_ecc_errors(&mut self, gpu: &GpuInfo, id: &str) -> Option<String> {
+        match (self.rules.ecc, gpu.ecc_uncorrected) {
+            (true, Some(n)) => {
+                let before = self.ecc_seen.insert(gpu.uuid.clone(), n);
+                match before {
+                    Some(b) if n > b => Some(format!(
+                        "{id} reported {} new uncorrected ECC error(s) ({n} since the driver loaded)",
+                        n - b
+                    )),
+                    // Errors from before the node started are not news.
+                    _ => None,
+                }
+            }
+            _ => None,
+        }
     }
 }
 

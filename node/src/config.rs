@@ -291,6 +291,9 @@ impl NodeConfig {
     }
 
     /// Checks values that the types alone do not.
+    ///
+    /// Long as one flat list on purpose: one independent check per key, in the order of
+    /// the keys, each with its own message; splitting it would only scatter them.
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.tcp_psk()?;
         if !(self.price_per_gpu_hour.is_finite() && self.price_per_gpu_hour >= 0.0) {

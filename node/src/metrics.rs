@@ -61,6 +61,9 @@ pub struct Metrics {
 
 impl Metrics {
     /// Creates and registers every metric.
+    ///
+    /// Long as one flat list on purpose: each metric is created and registered with its
+    /// name and help text in one place, in the order they are exported.
     pub fn new() -> Arc<Metrics> {
         let mut registry = Registry::with_prefix("gpunode");
         let peers_connected = Gauge::default();

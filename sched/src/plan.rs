@@ -131,61 +131,18 @@ impl Queue {
                 continue;
             }
             if lendable < need {
-                place.reason = if eligible.len() >= need {
-                    format!(
-                        "needs {need} GPU(s) and only {lendable} of the {} that match can be lent now (the owner is using the others)",
-                        eligible.len()
-                    )
-                } else {
-                    format!(
-                        "needs {need} GPU(s) and this provider has {} that match",
-                        eligible.len()
-                    )
-                };
+                place.reason = too_few_reason(need, lendable, eligible.len());
                 placements.push(place);
                 continue;
             }
-            // Candidate start times: now, and whenever a matching GPU frees up or a
-            // reservation or place on one ends.
-            let mut times: Vec<Millis> = vec![not_before];
-            for g in &eligible {
-                if let Some(f) = g.free_at {
-                    times.push(f.max(not_before));
-                }
-                let extra = held.get(&g.index).map(Vec::as_slice).unwrap_or_default();
-                times.extend(
-                    g.reserved
-                        .iter()
-                        .chain(extra)
-                        .map(|(_, e)| (*e).max(not_before)),
-                );
-            }
-            times.sort_unstable();
-            times.dedup();
-            let end_of = |t: Millis| t.saturating_add(req.duration_ms);
-            let found = times.into_iter().find_map(|t| {
-                let mut free: Vec<&GpuTimeline> = eligible
-                    .iter()
-                    .copied()
-                    .filter(|g| {
-                        let extra = held.get(&g.index).map(Vec::as_slice).unwrap_or_default();
-                        g.clear(t, end_of(t), extra)
-                    })
-                    .collect();
-                if free.len() < need {
-                    return None;
-                }
-                free.sort_by_key(|g| g.index);
-                Some((
-                    t,
-                    free.iter().take(need).map(|g| g.index).collect::<Vec<_>>(),
-                ))
-            });
-            let Some((start, chosen)) = found else {
+            let Some((start, chosen)) =
+                earliest_fit(&eligible, need, req.duration_ms, &held, not_before)
+            else {
                 place.reason = "no time ahead has enough matching GPUs free".into();
                 placements.push(place);
                 continue;
             };
+            let end_of = |t: Millis| t.saturating_add(req.duration_ms);
             for ix in &chosen {
                 held.entry(*ix).or_default().push((start, end_of(start)));
             }
@@ -203,6 +160,64 @@ impl Queue {
         }
         Plan { placements }
     }
+}
+
+/// Why a request for `need` GPUs cannot be placed when only `lendable` of the
+/// `eligible` GPUs that match can be lent.
+fn too_few_reason(need: usize, lendable: usize, eligible: usize) -> String {
+    if eligible >= need {
+        format!(
+            "needs {need} GPU(s) and only {lendable} of the {eligible} that match can be lent now (the owner is using the others)"
+        )
+    } else {
+        format!("needs {need} GPU(s) and this provider has {eligible} that match")
+    }
+}
+
+/// The earliest time from `not_before` at which `need` of the `eligible` GPUs are clear
+/// for `duration_ms` (of reservations and of the places `held` for requests ranked
+/// higher), with the lowest-numbered such GPUs. The candidate times are `not_before` and
+/// whenever a matching GPU frees up or a reservation or place on one ends.
+fn earliest_fit(
+    eligible: &[&GpuTimeline],
+    need: usize,
+    duration_ms: Millis,
+    held: &HashMap<u32, Vec<(Millis, Millis)>>,
+    not_before: Millis,
+) -> Option<(Millis, Vec<u32>)> {
+    let mut times: Vec<Millis> = vec![not_before];
+    for g in eligible {
+        if let Some(f) = g.free_at {
+            times.push(f.max(not_before));
+        }
+        let extra = held.get(&g.index).map(Vec::as_slice).unwrap_or_default();
+        times.extend(
+            g.reserved
+                .iter()
+                .chain(extra)
+                .map(|(_, e)| (*e).max(not_before)),
+        );
+    }
+    times.sort_unstable();
+    times.dedup();
+    times.into_iter().find_map(|t| {
+        let mut free: Vec<&GpuTimeline> = eligible
+            .iter()
+            .copied()
+            .filter(|g| {
+                let extra = held.get(&g.index).map(Vec::as_slice).unwrap_or_default();
+                g.clear(t, t.saturating_add(duration_ms), extra)
+            })
+            .collect();
+        if free.len() < need {
+            return None;
+        }
+        free.sort_by_key(|g| g.index);
+        Some((
+            t,
+            free.iter().take(need).map(|g| g.index).collect::<Vec<_>>(),
+        ))
+    })
 }
 
 /// Why a request placed on `chosen` cannot start now.

@@ -265,73 +265,29 @@ fn check_blocks(
         balance_millicredits: 0,
         took_ms: 0,
     };
-    let mut accounts: HashMap<PeerId, PeerAccount> = HashMap::new();
-    let mut prev: Digest = [0; 32];
-    let mut expected_seq = 1u64;
+    let mut walk = ChainWalk {
+        local,
+        accounts: HashMap::new(),
+        prev: [0; 32],
+        expected_seq: 1,
+        seen_leases: HashMap::new(),
+    };
     let mut bad: Option<BadEntry> = None;
-    let mut seen_leases: HashMap<gpunode_protocol::lease::LeaseId, u64> = HashMap::new();
     'blocks: for block in blocks {
         let (decoded, bad_signature) = decode_and_verify(block);
         report.signatures += 2 * decoded.iter().filter(|d| d.entry.is_ok()).count() as u64;
         for (i, d) in decoded.into_iter().enumerate() {
-            let fail = |reason: String| BadEntry {
-                seq: expected_seq,
-                reason,
-            };
-            let entry = match d.entry {
-                Ok(e) => e,
-                Err(reason) => {
-                    bad = Some(fail(reason));
-                    break 'blocks;
-                }
-            };
-            if entry.seq != expected_seq || d.key_seq != Some(entry.seq) {
-                bad = Some(fail(format!(
-                    "expected entry {expected_seq}, found entry {} (an entry is missing or out of place)",
-                    entry.seq
-                )));
+            let bad_signature = bad_signature
+                .as_ref()
+                .filter(|(at, _)| *at == i)
+                .map(|(_, reason)| reason.clone());
+            if let Err(reason) = walk.step(d, bad_signature) {
+                bad = Some(BadEntry {
+                    seq: walk.expected_seq,
+                    reason,
+                });
                 break 'blocks;
             }
-            if entry.prev != prev {
-                bad = Some(fail(
-                    "its link to the entry before does not match (an earlier entry was altered)"
-                        .into(),
-                ));
-                break 'blocks;
-            }
-            if let Some((at, reason)) = &bad_signature {
-                if *at == i {
-                    bad = Some(fail(reason.clone()));
-                    break 'blocks;
-                }
-            }
-            let rec = &entry.receipt.receipt;
-            if rec.provider != *local && rec.requester != *local {
-                bad = Some(fail("this node is not a party to its receipt".into()));
-                break 'blocks;
-            }
-            if let Some(first) = seen_leases.insert(rec.lease_id, entry.seq) {
-                bad = Some(fail(format!(
-                    "lease {} is counted twice (also in entry {first})",
-                    rec.lease_id
-                )));
-                break 'blocks;
-            }
-            let due = gpunode_protocol::receipt::amount_for(
-                rec.price_per_gpu_hour_millicredits,
-                rec.gpus,
-                rec.billed_ms,
-            );
-            if rec.amount_millicredits != due {
-                bad = Some(fail(format!(
-                    "its amount {} does not follow from its billed time and price ({due})",
-                    rec.amount_millicredits
-                )));
-                break 'blocks;
-            }
-            prev = d.hash;
-            PeerAccount::apply(&mut accounts, local, &entry.receipt);
-            expected_seq += 1;
             report.entries += 1;
         }
     }
@@ -339,15 +295,74 @@ fn check_blocks(
         bad = check_head_and_accounts(
             local,
             head,
-            expected_seq - 1,
-            &prev,
-            &accounts,
+            walk.expected_seq - 1,
+            &walk.prev,
+            &walk.accounts,
             stored_accounts,
         );
     }
-    report.balance_millicredits = accounts.values().map(PeerAccount::balance).sum();
+    report.balance_millicredits = walk.accounts.values().map(PeerAccount::balance).sum();
     report.first_bad = bad;
     report
+}
+
+/// Where the sequential check of the chain stands: the accounts so far, the hash of the
+/// last good entry, the sequence number expected next and the leases already counted.
+struct ChainWalk<'a> {
+    local: &'a PeerId,
+    accounts: HashMap<PeerId, PeerAccount>,
+    prev: Digest,
+    expected_seq: u64,
+    seen_leases: HashMap<gpunode_protocol::lease::LeaseId, u64>,
+}
+
+impl ChainWalk<'_> {
+    /// Checks the next entry (its place, its link, its signatures, given as
+    /// `bad_signature` when they failed, its parties, its lease and its amount) and
+    /// applies it to the accounts; the reason when it is bad.
+    fn step(&mut self, d: Decoded, bad_signature: Option<String>) -> Result<(), String> {
+        let entry = d.entry?;
+        let expected_seq = self.expected_seq;
+        if entry.seq != expected_seq || d.key_seq != Some(entry.seq) {
+            return Err(format!(
+                "expected entry {expected_seq}, found entry {} (an entry is missing or out of place)",
+                entry.seq
+            ));
+        }
+        if entry.prev != self.prev {
+            return Err(
+                "its link to the entry before does not match (an earlier entry was altered)".into(),
+            );
+        }
+        if let Some(reason) = bad_signature {
+            return Err(reason);
+        }
+        let rec = &entry.receipt.receipt;
+        if rec.provider != *self.local && rec.requester != *self.local {
+            return Err("this node is not a party to its receipt".into());
+        }
+        if let Some(first) = self.seen_leases.insert(rec.lease_id, entry.seq) {
+            return Err(format!(
+                "lease {} is counted twice (also in entry {first})",
+                rec.lease_id
+            ));
+        }
+        let due = gpunode_protocol::receipt::amount_for(
+            rec.price_per_gpu_hour_millicredits,
+            rec.gpus,
+            rec.billed_ms,
+        );
+        if rec.amount_millicredits != due {
+            return Err(format!(
+                "its amount {} does not follow from its billed time and price ({due})",
+                rec.amount_millicredits
+            ));
+        }
+        self.prev = d.hash;
+        PeerAccount::apply(&mut self.accounts, self.local, &entry.receipt);
+        self.expected_seq += 1;
+        Ok(())
+    }
 }
 
 /// The parallel stage: decode, hash and batch-verify a block on every core. Returns the

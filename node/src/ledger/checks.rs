@@ -48,6 +48,33 @@ pub fn check_claim_with(
     signature_checked: bool,
 ) -> Result<(), ReceiptRejection> {
     let r = &claim.receipt;
+    check_parties(claim, from, local, signature_checked)?;
+    let lease = lease
+        .filter(|l| l.role == LeaseRole::Requester && l.terms.provider == *from)
+        .ok_or_else(|| {
+            refuse(
+                Code::UnknownLease,
+                format!("no lease {} with provider {from} here", r.lease_id),
+            )
+        })?;
+    check_terms(r, &lease.terms)?;
+    if r.version >= HELD_TIME_VERSION {
+        check_held_time(r, lease, observed)?;
+    } else {
+        check_run_time(r, observed)?;
+    }
+    check_amounts(r, &lease.terms, observed)
+}
+
+/// The receipt's format is supported, it names `from` as provider and us as requester,
+/// and (unless `signature_checked`) the provider's signature verifies.
+fn check_parties(
+    claim: &Claim,
+    from: &PeerId,
+    local: &PeerId,
+    signature_checked: bool,
+) -> Result<(), ReceiptRejection> {
+    let r = &claim.receipt;
     // Format 1 claims may still wait at providers that upgraded.
     if r.version > RECEIPT_VERSION || r.version == 0 {
         return Err(refuse(
@@ -72,15 +99,11 @@ pub fn check_claim_with(
             )
         })?;
     }
-    let lease = lease
-        .filter(|l| l.role == LeaseRole::Requester && l.terms.provider == *from)
-        .ok_or_else(|| {
-            refuse(
-                Code::UnknownLease,
-                format!("no lease {} with provider {from} here", r.lease_id),
-            )
-        })?;
-    let t: &LeaseTerms = &lease.terms;
+    Ok(())
+}
+
+/// The receipt's resources and price are the lease's, and its times fall within it.
+fn check_terms(r: &UsageReceipt, t: &LeaseTerms) -> Result<(), ReceiptRejection> {
     if r.gpus as usize != t.gpus.len()
         || r.cpus != t.cpus
         || r.mem_bytes != t.mem_bytes
@@ -103,11 +126,16 @@ pub fn check_claim_with(
             ),
         ));
     }
-    if r.version >= HELD_TIME_VERSION {
-        check_held_time(r, lease, observed)?;
-    } else {
-        check_run_time(r, observed)?;
-    }
+    Ok(())
+}
+
+/// The receipt's peak GPU memory, amount and job count are no more than the lease and
+/// what we observed allow, and its output digest is that of what we received.
+fn check_amounts(
+    r: &UsageReceipt,
+    t: &LeaseTerms,
+    observed: &LeaseUsage,
+) -> Result<(), ReceiptRejection> {
     let leased_gpu_memory: u64 = t.gpus.iter().map(|g| g.memory_bytes).sum();
     // Format 1 has no peak: its signature does not cover one.
     if r.version == 1 && r.peak_gpu_memory_bytes != 0 {

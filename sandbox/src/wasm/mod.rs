@@ -385,11 +385,7 @@ impl WasmExecutor {
         let engine = self.engine_for(task.fuel);
         let exceeded_stdout = Arc::new(AtomicBool::new(false));
         let exceeded_stderr = Arc::new(AtomicBool::new(false));
-        let mut b = WasiCtxBuilder::new();
-        let mut argv = vec!["task".to_string()];
-        argv.extend(spec.args.iter().cloned());
-        b.args(&argv);
-        b.envs(&spec.env);
+        let mut b = wasi_builder(&spec)?;
         b.stdout(output::CappedOutput::new(
             spec.limits.stdout_bytes,
             spec.stdout,
@@ -400,68 +396,16 @@ impl WasmExecutor {
             spec.stderr,
             exceeded_stderr.clone(),
         ));
-        b.allow_tcp(false)
-            .allow_udp(false)
-            .allow_ip_name_lookup(false);
-        b.socket_addr_check(|_, _| Box::pin(async { false }));
-        if let Some(input) = &spec.input_dir {
-            b.preopened_dir(input, "/input", FsPerms::ReadOnly)
-                .map_err(|e| SandboxError::Setup(format!("input dir {}: {e}", input.display())))?;
-        }
-        std::fs::create_dir_all(&spec.output_dir).map_err(|e| {
-            SandboxError::Setup(format!("output dir {}: {e}", spec.output_dir.display()))
-        })?;
-        b.preopened_dir(&spec.output_dir, "/output", FsPerms::ReadWrite)
-            .map_err(|e| {
-                SandboxError::Setup(format!("output dir {}: {e}", spec.output_dir.display()))
-            })?;
-        let host = Host {
-            wasi: b.build_p1(),
-            limiter: Limiter {
-                memory_bytes: spec.limits.memory_bytes,
-                table_elements: spec.limits.table_elements,
-            },
-        };
-        let mut store = Store::new(engine, host);
-        store.limiter(|h| &mut h.limiter);
-        if let Some(fuel) = spec.limits.fuel {
-            store
-                .set_fuel(fuel)
-                .map_err(|e| SandboxError::Setup(e.to_string()))?;
-        }
-        let deadline = Instant::now() + spec.limits.wall_time;
-        let cancel = spec.cancel.clone();
-        let (out_dir, max_bytes, max_files) = (
-            spec.output_dir.clone(),
-            spec.limits.output_bytes,
-            spec.limits.output_files,
-        );
-        let (so, se) = (exceeded_stdout.clone(), exceeded_stderr.clone());
-        let mut ticks = 0u64;
+        let mut store = new_store(engine, b.build_p1(), &spec.limits)?;
         if self.epoch {
             store.set_epoch_deadline(1);
         }
-        store.epoch_deadline_callback(move |_| {
-            ticks += 1;
-            if cancel.is_cancelled() {
-                return Err(Stop::Cancelled.into());
-            }
-            if Instant::now() >= deadline {
-                return Err(Stop::TimedOut.into());
-            }
-            if so.load(Ordering::SeqCst) {
-                return Err(Stop::Output("stdout".into()).into());
-            }
-            if se.load(Ordering::SeqCst) {
-                return Err(Stop::Output("stderr".into()).into());
-            }
-            if ticks.is_multiple_of(OUTPUT_CHECK_TICKS) {
-                if let Some(why) = over_output_limits(&out_dir, max_bytes, max_files) {
-                    return Err(Stop::Output(why).into());
-                }
-            }
-            Ok(UpdateDeadline::Continue(1))
-        });
+        store.epoch_deadline_callback(stop_check(
+            &spec.limits,
+            spec.cancel.clone(),
+            spec.output_dir.clone(),
+            (exceeded_stdout.clone(), exceeded_stderr.clone()),
+        ));
         let mut linker: Linker<Host> = Linker::new(engine);
         wasmtime_wasi::p1::add_to_linker_sync(&mut linker, |h: &mut Host| &mut h.wasi)
             .map_err(|e| SandboxError::Setup(e.to_string()))?;
@@ -475,11 +419,102 @@ impl WasmExecutor {
         };
         // Output left behind counts whatever the guest's exit status.
         if let Outcome::Exited(_) = outcome {
-            if let Some(why) = over_output_limits(&spec.output_dir, max_bytes, max_files) {
+            let l = &spec.limits;
+            if let Some(why) = over_output_limits(&spec.output_dir, l.output_bytes, l.output_files)
+            {
                 return Ok(Outcome::OutputTooLarge(why));
             }
         }
         Ok(outcome)
+    }
+}
+
+/// The guest's WASI context but for stdout and stderr: its argv and environment, no
+/// network, `/input` read-only and `/output` (created here) writable.
+fn wasi_builder(spec: &RunSpec) -> Result<WasiCtxBuilder, SandboxError> {
+    let mut b = WasiCtxBuilder::new();
+    let mut argv = vec!["task".to_string()];
+    argv.extend(spec.args.iter().cloned());
+    b.args(&argv);
+    b.envs(&spec.env);
+    b.allow_tcp(false)
+        .allow_udp(false)
+        .allow_ip_name_lookup(false);
+    b.socket_addr_check(|_, _| Box::pin(async { false }));
+    if let Some(input) = &spec.input_dir {
+        b.preopened_dir(input, "/input", FsPerms::ReadOnly)
+            .map_err(|e| SandboxError::Setup(format!("input dir {}: {e}", input.display())))?;
+    }
+    std::fs::create_dir_all(&spec.output_dir).map_err(|e| {
+        SandboxError::Setup(format!("output dir {}: {e}", spec.output_dir.display()))
+    })?;
+    b.preopened_dir(&spec.output_dir, "/output", FsPerms::ReadWrite)
+        .map_err(|e| {
+            SandboxError::Setup(format!("output dir {}: {e}", spec.output_dir.display()))
+        })?;
+    Ok(b)
+}
+
+/// A store for one run: the guest's WASI context, its memory and table limits, and its
+/// fuel when it has some.
+fn new_store(
+    engine: &Engine,
+    wasi: WasiP1Ctx,
+    limits: &Limits,
+) -> Result<Store<Host>, SandboxError> {
+    let host = Host {
+        wasi,
+        limiter: Limiter {
+            memory_bytes: limits.memory_bytes,
+            table_elements: limits.table_elements,
+        },
+    };
+    let mut store = Store::new(engine, host);
+    store.limiter(|h| &mut h.limiter);
+    if let Some(fuel) = limits.fuel {
+        store
+            .set_fuel(fuel)
+            .map_err(|e| SandboxError::Setup(e.to_string()))?;
+    }
+    Ok(store)
+}
+
+/// What runs at each epoch tick: stops the guest when it is cancelled, past its
+/// wall-clock time (from now), over a stdout or stderr cap (`exceeded`), or, every
+/// `OUTPUT_CHECK_TICKS` ticks, over the output directory's limits.
+fn stop_check(
+    limits: &Limits,
+    cancel: CancelToken,
+    out_dir: PathBuf,
+    exceeded: (Arc<AtomicBool>, Arc<AtomicBool>),
+) -> impl FnMut(wasmtime::StoreContextMut<'_, Host>) -> wasmtime::Result<UpdateDeadline>
+       + Send
+       + Sync
+       + 'static {
+    let deadline = Instant::now() + limits.wall_time;
+    let (max_bytes, max_files) = (limits.output_bytes, limits.output_files);
+    let (so, se) = exceeded;
+    let mut ticks = 0u64;
+    move |_| {
+        ticks += 1;
+        if cancel.is_cancelled() {
+            return Err(Stop::Cancelled.into());
+        }
+        if Instant::now() >= deadline {
+            return Err(Stop::TimedOut.into());
+        }
+        if so.load(Ordering::SeqCst) {
+            return Err(Stop::Output("stdout".into()).into());
+        }
+        if se.load(Ordering::SeqCst) {
+            return Err(Stop::Output("stderr".into()).into());
+        }
+        if ticks.is_multiple_of(OUTPUT_CHECK_TICKS) {
+            if let Some(why) = over_output_limits(&out_dir, max_bytes, max_files) {
+                return Err(Stop::Output(why).into());
+            }
+        }
+        Ok(UpdateDeadline::Continue(1))
     }
 }
 

@@ -12,15 +12,17 @@
 
 use std::io::{BufRead, Read, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
 use super::{
-    over_output_limits, CancelToken, CompiledTask, Limits, Outcome, RunSpec, SandboxError,
+    over_output_limits, CancelToken, CompiledTask, Limits, Outcome, OutputSink, RunSpec,
+    SandboxError,
 };
 
 /// The first argument that turns a binary into a worker.
@@ -172,6 +174,53 @@ pub(crate) fn run_in_worker(
     std::fs::create_dir_all(&spec.output_dir).map_err(|e| {
         SandboxError::Setup(format!("output dir {}: {e}", spec.output_dir.display()))
     })?;
+    let line = request_line(cache_dir, task, &spec)?;
+    let worker = Worker::start(binary, line, task.bytes.clone(), spec.limits.wall_time)?;
+    let mut output = GuestOutput {
+        stdout: &mut spec.stdout,
+        stderr: &mut spec.stderr,
+        caps: (spec.limits.stdout_bytes, spec.limits.stderr_bytes),
+        sent: (0, 0),
+    };
+    let mut reported: Option<Outcome> = None;
+    let stopped = worker.watch(
+        &mut output,
+        &mut reported,
+        &spec.limits,
+        &spec.cancel,
+        &spec.output_dir,
+    );
+    if let Some(outcome) = stopped {
+        worker.stop();
+        return Ok(outcome);
+    }
+    let (status, worker_errors, rx) = worker.finish()?;
+    // Frames still queued when the worker exited.
+    while let Ok(frame) = rx.try_recv() {
+        match frame {
+            Frame::Out(tag, data) => {
+                if let Some(over) = output.forward(tag, &data) {
+                    return Ok(over);
+                }
+            }
+            Frame::Done(o) => reported = Some(o),
+        }
+    }
+    Ok(final_outcome(
+        reported,
+        status,
+        &worker_errors,
+        &spec.limits,
+        &spec.output_dir,
+    ))
+}
+
+/// The first line the worker reads: the [`WorkerRequest`] as JSON.
+fn request_line(
+    cache_dir: &Path,
+    task: &CompiledTask,
+    spec: &RunSpec,
+) -> Result<Vec<u8>, SandboxError> {
     let request = WorkerRequest {
         cache_dir: cache_dir.to_path_buf(),
         module_len: task.bytes.len(),
@@ -185,60 +234,26 @@ pub(crate) fn run_in_worker(
     };
     let mut line = serde_json::to_vec(&request).map_err(|e| SandboxError::Setup(e.to_string()))?;
     line.push(b'\n');
-    let setup = |e: std::io::Error| {
-        SandboxError::Setup(format!(
-            "cannot start the sandbox worker {}: {e}",
-            binary.display()
-        ))
-    };
-    let mut child = Command::new(binary)
-        .arg(WORKER_ARG)
-        .env_clear()
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(setup)?;
-    let deadline = Instant::now() + spec.limits.wall_time;
-    let (mut stdin, stdout, mut stderr) =
-        match (child.stdin.take(), child.stdout.take(), child.stderr.take()) {
-            (Some(i), Some(o), Some(e)) => (i, o, e),
-            _ => {
-                let _ = child.kill();
-                let _ = child.wait();
-                return Err(SandboxError::Setup("worker pipes missing".into()));
-            }
-        };
-    let bytes = task.bytes.clone();
-    let writer = std::thread::spawn(move || {
-        let _ = stdin.write_all(&line);
-        let _ = stdin.write_all(&bytes);
-    });
-    let (tx, rx) = mpsc::sync_channel(16);
-    let reader = std::thread::spawn(move || read_frames(stdout, tx));
-    let errors = std::thread::spawn(move || {
-        let mut text = Vec::new();
-        let _ = (&mut stderr).take(64 * 1024).read_to_end(&mut text);
-        String::from_utf8_lossy(&text).trim().to_string()
-    });
+    Ok(line)
+}
 
-    // Passes guest output on within its caps; says which cap was passed, if one was.
-    let (mut out_bytes, mut err_bytes) = (0u64, 0u64);
-    let mut forward = |tag: u8, data: &[u8]| -> Option<Outcome> {
+/// Guest output passed on to the sinks within its caps.
+struct GuestOutput<'a> {
+    stdout: &'a mut OutputSink,
+    stderr: &'a mut OutputSink,
+    /// Caps of stdout and stderr, bytes.
+    caps: (u64, u64),
+    /// Bytes of stdout and stderr so far.
+    sent: (u64, u64),
+}
+
+impl GuestOutput<'_> {
+    /// Passes guest output on within its caps; says which cap was passed, if one was.
+    fn forward(&mut self, tag: u8, data: &[u8]) -> Option<Outcome> {
         let (count, cap, sink, which) = if tag == TAG_STDOUT {
-            (
-                &mut out_bytes,
-                spec.limits.stdout_bytes,
-                &mut spec.stdout,
-                "stdout",
-            )
+            (&mut self.sent.0, self.caps.0, &mut self.stdout, "stdout")
         } else {
-            (
-                &mut err_bytes,
-                spec.limits.stderr_bytes,
-                &mut spec.stderr,
-                "stderr",
-            )
+            (&mut self.sent.1, self.caps.1, &mut self.stderr, "stderr")
         };
         *count += data.len() as u64;
         if *count > cap {
@@ -246,80 +261,166 @@ pub(crate) fn run_in_worker(
         }
         sink(data);
         None
-    };
-    let (limits, cancel) = (spec.limits.clone(), spec.cancel.clone());
-    let output_dir = spec.output_dir.clone();
-    let mut polls = 0u32;
-    let mut reported: Option<Outcome> = None;
-    let stopped: Option<Outcome> = loop {
-        match rx.recv_timeout(POLL) {
-            Ok(Frame::Out(tag, data)) => match forward(tag, &data) {
-                Some(over) => break Some(over),
-                None => continue,
-            },
-            Ok(Frame::Done(o)) => reported = Some(o),
-            Err(mpsc::RecvTimeoutError::Timeout) => {}
-            Err(mpsc::RecvTimeoutError::Disconnected) => break None,
-        }
-        if cancel.is_cancelled() {
-            break Some(Outcome::Cancelled);
-        }
-        if Instant::now() >= deadline {
-            break Some(Outcome::TimedOut);
-        }
-        polls += 1;
-        if polls.is_multiple_of(OUTPUT_CHECK_POLLS) {
-            if let Some(why) =
-                over_output_limits(&output_dir, limits.output_bytes, limits.output_files)
-            {
-                break Some(Outcome::OutputTooLarge(why));
-            }
-        }
-    };
-    if let Some(outcome) = stopped {
-        let _ = child.kill();
-        // The reader may be blocked handing over a frame: dropping the receiver frees it.
-        drop(rx);
-        let _ = child.wait();
-        let _ = writer.join();
-        let _ = reader.join();
-        let _ = errors.join();
-        return Ok(outcome);
     }
-    // The worker closed its stdout, so the reader has ended.
-    let status = child
-        .wait()
-        .map_err(|e| SandboxError::Setup(e.to_string()))?;
-    let _ = writer.join();
-    let _ = reader.join();
-    let worker_errors = errors.join().unwrap_or_default();
-    // Frames still queued when the worker exited.
-    while let Ok(frame) = rx.try_recv() {
-        match frame {
-            Frame::Out(tag, data) => {
-                if let Some(over) = forward(tag, &data) {
-                    return Ok(over);
+}
+
+/// A running worker process and the threads that feed it and read it.
+struct Worker {
+    child: Child,
+    /// When its wall-clock time runs out.
+    deadline: Instant,
+    /// Frames read from its stdout.
+    rx: mpsc::Receiver<Frame>,
+    writer: JoinHandle<()>,
+    reader: JoinHandle<()>,
+    /// Collects the first 64 KiB of its stderr.
+    errors: JoinHandle<String>,
+}
+
+impl Worker {
+    /// Starts the worker from `binary` with an empty environment and writes it `line`
+    /// and the module's `bytes`; its deadline is `wall_time` from now.
+    fn start(
+        binary: &Path,
+        line: Vec<u8>,
+        bytes: Arc<Vec<u8>>,
+        wall_time: Duration,
+    ) -> Result<Worker, SandboxError> {
+        let setup = |e: std::io::Error| {
+            SandboxError::Setup(format!(
+                "cannot start the sandbox worker {}: {e}",
+                binary.display()
+            ))
+        };
+        let mut child = Command::new(binary)
+            .arg(WORKER_ARG)
+            .env_clear()
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(setup)?;
+        let deadline = Instant::now() + wall_time;
+        let (mut stdin, stdout, mut stderr) =
+            match (child.stdin.take(), child.stdout.take(), child.stderr.take()) {
+                (Some(i), Some(o), Some(e)) => (i, o, e),
+                _ => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    return Err(SandboxError::Setup("worker pipes missing".into()));
+                }
+            };
+        let writer = std::thread::spawn(move || {
+            let _ = stdin.write_all(&line);
+            let _ = stdin.write_all(&bytes);
+        });
+        let (tx, rx) = mpsc::sync_channel(16);
+        let reader = std::thread::spawn(move || read_frames(stdout, tx));
+        let errors = std::thread::spawn(move || {
+            let mut text = Vec::new();
+            let _ = (&mut stderr).take(64 * 1024).read_to_end(&mut text);
+            String::from_utf8_lossy(&text).trim().to_string()
+        });
+        Ok(Worker {
+            child,
+            deadline,
+            rx,
+            writer,
+            reader,
+            errors,
+        })
+    }
+
+    /// Passes output on and notes the reported outcome until the worker closes its
+    /// stdout (`None`) or must be stopped: cancelled, past its deadline or over an
+    /// output limit (the outcome to report).
+    fn watch(
+        &self,
+        output: &mut GuestOutput<'_>,
+        reported: &mut Option<Outcome>,
+        limits: &Limits,
+        cancel: &CancelToken,
+        output_dir: &Path,
+    ) -> Option<Outcome> {
+        let mut polls = 0u32;
+        loop {
+            match self.rx.recv_timeout(POLL) {
+                Ok(Frame::Out(tag, data)) => match output.forward(tag, &data) {
+                    Some(over) => return Some(over),
+                    None => continue,
+                },
+                Ok(Frame::Done(o)) => *reported = Some(o),
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) => return None,
+            }
+            if cancel.is_cancelled() {
+                return Some(Outcome::Cancelled);
+            }
+            if Instant::now() >= self.deadline {
+                return Some(Outcome::TimedOut);
+            }
+            polls += 1;
+            if polls.is_multiple_of(OUTPUT_CHECK_POLLS) {
+                if let Some(why) =
+                    over_output_limits(output_dir, limits.output_bytes, limits.output_files)
+                {
+                    return Some(Outcome::OutputTooLarge(why));
                 }
             }
-            Frame::Done(o) => reported = Some(o),
         }
     }
+
+    /// Kills the worker and waits for it and its threads.
+    fn stop(mut self) {
+        let _ = self.child.kill();
+        // The reader may be blocked handing over a frame: dropping the receiver frees it.
+        drop(self.rx);
+        let _ = self.child.wait();
+        let _ = self.writer.join();
+        let _ = self.reader.join();
+        let _ = self.errors.join();
+    }
+
+    /// Waits for a worker that closed its stdout: its exit status, what it wrote to
+    /// stderr, and the frames still queued.
+    fn finish(mut self) -> Result<(ExitStatus, String, mpsc::Receiver<Frame>), SandboxError> {
+        // The worker closed its stdout, so the reader has ended.
+        let status = self
+            .child
+            .wait()
+            .map_err(|e| SandboxError::Setup(e.to_string()))?;
+        let _ = self.writer.join();
+        let _ = self.reader.join();
+        let worker_errors = self.errors.join().unwrap_or_default();
+        Ok((status, worker_errors, self.rx))
+    }
+}
+
+/// The outcome of a worker that ended on its own: what it reported (over the output
+/// directory's limits when it exited), or a trap naming its status and errors.
+fn final_outcome(
+    reported: Option<Outcome>,
+    status: ExitStatus,
+    worker_errors: &str,
+    limits: &Limits,
+    output_dir: &Path,
+) -> Outcome {
     match reported {
         Some(outcome) => {
             if let Outcome::Exited(_) = outcome {
                 if let Some(why) =
-                    over_output_limits(&output_dir, limits.output_bytes, limits.output_files)
+                    over_output_limits(output_dir, limits.output_bytes, limits.output_files)
                 {
-                    return Ok(Outcome::OutputTooLarge(why));
+                    return Outcome::OutputTooLarge(why);
                 }
             }
-            Ok(outcome)
+            outcome
         }
-        None if worker_errors.is_empty() => Ok(Outcome::Trapped(format!(
+        None if worker_errors.is_empty() => Outcome::Trapped(format!(
             "the sandbox worker ended without a result ({status})"
-        ))),
-        None => Ok(Outcome::Trapped(format!(
+        )),
+        None => Outcome::Trapped(format!(
             "the sandbox worker failed ({status}): {worker_errors}"
-        ))),
+        )),
     }
 }

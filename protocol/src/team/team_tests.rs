@@ -1,4 +1,7 @@
 use super::*;
+use crate::encoding;
+use crate::time::UnixMillis;
+use libp2p_identity::Keypair;
 
 const NOW: UnixMillis = 1_800_000_000_000;
 const DAY: u64 = 24 * 3600 * 1000;

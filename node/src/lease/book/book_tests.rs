@@ -3,8 +3,9 @@
 
 use super::*;
 use crate::lease::policy::GpuSlot;
-use gpunode_protocol::lease::{LeaseId, Requirements};
+use gpunode_protocol::lease::{LeaseId, LeasedGpu, Requirements};
 use proptest::prelude::*;
+use std::collections::HashSet;
 
 const NOW: UnixMillis = 1_800_000_000_000;
 

@@ -1,0 +1,217 @@
+//! What the swarm reports: listen addresses, connections, identify, mDNS and ping
+//! events, Kademlia query progress and records other peers store with us; and dialing
+//! the bootstrap peers.
+
+use std::time::Duration;
+
+use gpunode_protocol::advert::peer_of_advert_key;
+use gpunode_protocol::time::now_ms;
+use libp2p::core::ConnectedPoint;
+use libp2p::kad::{self, QueryResult, Record};
+use libp2p::multiaddr::Protocol;
+use libp2p::swarm::dial_opts::DialOpts;
+use libp2p::swarm::SwarmEvent;
+use libp2p::{identify, mdns, Multiaddr, PeerId, Swarm};
+
+use super::EventLoop;
+use crate::network::{NodeBehaviour, NodeBehaviourEvent};
+
+impl EventLoop {
+    pub(super) fn on_swarm_event(&mut self, event: SwarmEvent<NodeBehaviourEvent>) {
+        match event {
+            SwarmEvent::NewListenAddr { address, .. } => {
+                tracing::info!("listening on {address}");
+                if !is_unspecified(&address) {
+                    self.swarm.add_external_address(address);
+                }
+                self.schedule_publish(Duration::from_millis(50), true);
+            }
+            SwarmEvent::ConnectionEstablished {
+                peer_id, endpoint, ..
+            } => {
+                *self.connections.entry(peer_id).or_default() += 1;
+                self.metrics
+                    .peers_connected
+                    .set(self.connections.len() as i64);
+                if let ConnectedPoint::Dialer { address, .. } = endpoint {
+                    tracing::debug!(%peer_id, %address, "connected");
+                }
+            }
+            SwarmEvent::ConnectionClosed {
+                peer_id,
+                num_established,
+                ..
+            } => {
+                if num_established == 0 {
+                    self.connections.remove(&peer_id);
+                    self.rtts.remove(&peer_id);
+                } else {
+                    self.connections.insert(peer_id, num_established as usize);
+                }
+                self.metrics
+                    .peers_connected
+                    .set(self.connections.len() as i64);
+            }
+            SwarmEvent::OutgoingConnectionError { peer_id, error, .. } => {
+                tracing::debug!(?peer_id, "dial failed: {error}");
+            }
+            SwarmEvent::ListenerError { error, .. } => {
+                tracing::warn!("listener error: {error}");
+            }
+            SwarmEvent::Behaviour(NodeBehaviourEvent::Identify(identify::Event::Received {
+                peer_id,
+                info,
+                ..
+            })) if info.protocols.contains(&self.kad_protocol) => {
+                for addr in info.listen_addrs {
+                    self.swarm.behaviour_mut().kad.add_address(&peer_id, addr);
+                }
+            }
+            SwarmEvent::Behaviour(NodeBehaviourEvent::Mdns(mdns::Event::Discovered(list))) => {
+                for (peer, addr) in list {
+                    if !self.connections.contains_key(&peer) {
+                        let _ = self
+                            .swarm
+                            .dial(DialOpts::peer_id(peer).addresses(vec![addr]).build());
+                    }
+                }
+            }
+            SwarmEvent::Behaviour(NodeBehaviourEvent::Ping(libp2p::ping::Event {
+                peer,
+                result: Ok(rtt),
+                ..
+            })) => {
+                self.rtts.insert(peer, rtt);
+            }
+            SwarmEvent::Behaviour(NodeBehaviourEvent::Kad(event)) => self.on_kad_event(event),
+            SwarmEvent::Behaviour(NodeBehaviourEvent::Lease(event)) => self.on_lease_event(event),
+            _ => {}
+        }
+    }
+
+    fn on_kad_event(&mut self, event: kad::Event) {
+        match event {
+            kad::Event::OutboundQueryProgressed {
+                id,
+                result,
+                step,
+                stats,
+            } => match result {
+                QueryResult::GetProviders(r) => {
+                    self.on_providers(id, r, step.last, stats.num_requests())
+                }
+                QueryResult::GetRecord(r) => self.on_record(id, r, step.last, stats.num_requests()),
+                QueryResult::PutRecord(r) => {
+                    let stored = match &r {
+                        Ok(_) => stats.num_successes() as usize,
+                        Err(kad::PutRecordError::QuorumFailed { success, .. })
+                        | Err(kad::PutRecordError::Timeout { success, .. }) => success.len(),
+                    };
+                    if let Some(own) = &mut self.own {
+                        own.status.stored_at_peers = stored;
+                    }
+                    if let Err(e) = r {
+                        tracing::debug!("advert publication incomplete: {e:?}");
+                    }
+                    self.retry_if_under_replicated(stored);
+                }
+                QueryResult::StartProviding(r) => {
+                    let stored = match &r {
+                        Ok(_) => stats.num_successes() as usize,
+                        Err(_) => 0,
+                    };
+                    self.retry_if_under_replicated(stored);
+                }
+                _ => {}
+            },
+            kad::Event::InboundRequest { request } => match request {
+                kad::InboundRequest::PutRecord {
+                    source,
+                    record: Some(record),
+                    ..
+                } => self.on_inbound_record(source, record),
+                kad::InboundRequest::AddProvider {
+                    record: Some(record),
+                } if record.key.as_ref().starts_with(b"/gpunode/v1/cap/") => {
+                    let _ = self
+                        .swarm
+                        .behaviour_mut()
+                        .kad
+                        .store_mut_add_provider(record);
+                }
+                _ => {}
+            },
+            kad::Event::RoutingUpdated { is_new_peer, .. } => {
+                let size = self.routing_table_size();
+                self.metrics.routing_table_peers.set(size as i64);
+                // Re-publish whenever the network has grown by a quarter since we last
+                // published: the peers closest to our keys may be new ones holding nothing.
+                let republish = self.own.as_ref().is_some_and(|o| {
+                    o.status.seq > 0
+                        && size > o.published_at_table_size + o.published_at_table_size / 4
+                });
+                if is_new_peer && republish {
+                    self.schedule_publish(Duration::from_millis(300), false);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn on_inbound_record(&mut self, source: PeerId, mut record: Record) {
+        let Some(publisher) = peer_of_advert_key(record.key.as_ref()) else {
+            tracing::debug!(%source, "refused a record under a key that is not an advert key");
+            self.metrics.advert_rejected("unknown_key");
+            return;
+        };
+        let now = now_ms();
+        if let Ok(advert) = self.book.accept(&record.value, &publisher, now) {
+            record.expires = Some(
+                std::time::Instant::now()
+                    + Duration::from_millis(advert.expires_at_ms.saturating_sub(now)),
+            );
+            if let Err(e) = self.swarm.behaviour_mut().kad.store_mut_put(record) {
+                tracing::debug!("cannot store advert: {e:?}");
+            }
+        }
+    }
+}
+
+/// Store access that reads like the rest of the loop.
+trait StoreAccess {
+    fn store_mut_put(&mut self, record: Record) -> kad::store::Result<()>;
+    fn store_mut_add_provider(&mut self, record: kad::ProviderRecord) -> kad::store::Result<()>;
+}
+
+impl StoreAccess for kad::Behaviour<kad::store::MemoryStore> {
+    fn store_mut_put(&mut self, record: Record) -> kad::store::Result<()> {
+        use kad::store::RecordStore;
+        self.store_mut().put(record)
+    }
+    fn store_mut_add_provider(&mut self, record: kad::ProviderRecord) -> kad::store::Result<()> {
+        use kad::store::RecordStore;
+        self.store_mut().add_provider(record)
+    }
+}
+
+fn is_unspecified(addr: &Multiaddr) -> bool {
+    addr.iter().any(|p| match p {
+        Protocol::Ip4(ip) => ip.is_unspecified(),
+        Protocol::Ip6(ip) => ip.is_unspecified(),
+        _ => false,
+    })
+}
+
+/// Dials every bootstrap address; peers named with `/p2p/` go into the routing table.
+pub(crate) fn dial_bootstrap(swarm: &mut Swarm<NodeBehaviour>, addrs: &[Multiaddr]) {
+    for addr in addrs {
+        if let Some(Protocol::P2p(peer)) = addr.iter().last() {
+            let mut plain = addr.clone();
+            plain.pop();
+            swarm.behaviour_mut().kad.add_address(&peer, plain);
+        }
+        if let Err(e) = swarm.dial(addr.clone()) {
+            tracing::warn!("cannot dial bootstrap peer {addr}: {e}");
+        }
+    }
+}
