@@ -9,12 +9,12 @@ pub mod bench;
 pub mod bench_container;
 pub mod bench_hostile;
 pub mod bench_jobs;
-pub mod images;
 pub mod jobs;
 pub mod ledger;
-pub mod process;
 pub mod trace_network;
 pub mod trace_replay;
+
+pub use gpunode_procs::{images, process};
 
 use std::sync::Arc;
 use std::time::Duration;
