@@ -100,7 +100,7 @@ pub async fn discovery(n: usize, lookups: usize) -> Result<DiscoveryReport> {
     config.inventory_poll = Duration::from_secs(5);
     config.batch = 10;
     let net = TestNet::start(config).await?;
-    let client = net.client().await?;
+    let client = net.new_client().await?;
     let filter = |m: usize| OfferFilter {
         gpu_model: Some(BENCH_MODELS[m].to_string()),
         gpu_slice: None,
@@ -207,25 +207,13 @@ pub async fn lease(
     config.ephemeral_store = std::env::var("BENCH_EPHEMERAL").is_ok();
     let net = TestNet::start(config).await?;
     let provider = net.nodes[0].handle.peer_id().to_string();
-    let spec = gpunode_node::LeaseSpec {
-        peer: Some(provider),
-        gpus: 0,
-        gpu_model: None,
-        gpu_slice: None,
-        min_gpu_mem_bytes: None,
-        cpus: 1,
-        mem_bytes: 1 << 20,
-        backend: "wasm".into(),
-        duration_ms: lease_ms,
-        max_price: None,
-        exclude: Vec::new(),
-        kind: Default::default(),
-        ticket: None,
-        start_at_ms: None,
-    };
+    let spec = gpunode_node::LeaseSpec::new(0, lease_ms)
+        .peer(provider)
+        .cpus(1)
+        .mem_bytes(1 << 20);
     let mut clients = Vec::with_capacity(requesters.max(1));
     for _ in 0..requesters.max(1) {
-        clients.push(net.client().await?);
+        clients.push(net.new_client().await?);
     }
     // Warm up the connection and code paths.
     for _ in 0..20 {

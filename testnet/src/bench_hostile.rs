@@ -47,7 +47,7 @@ pub async fn flood(runs: usize, streams: usize, attempts_per_s: u32) -> Result<F
     let provider = net.nodes[0].handle.clone();
     let provider_id = provider.peer_id();
     let provider_addr: Multiaddr = net.nodes[0].addr.parse()?;
-    let mut client = net.client().await?;
+    let mut client = net.new_client().await?;
     TestNet::wait_for_offers(
         &client.handle,
         &gpunode_protocol::advert::OfferFilter::default(),
@@ -85,7 +85,7 @@ pub async fn flood(runs: usize, streams: usize, attempts_per_s: u32) -> Result<F
 
     // The attacker: idle job streams from one node, connection attempts from a raw
     // swarm of its own.
-    let mut attacker = net.client().await?;
+    let mut attacker = net.new_client().await?;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let opener = {
         let h = attacker.handle.clone();
@@ -237,10 +237,7 @@ pub async fn sybil(binary: &Path, requests: usize, per_identity: usize) -> Resul
         let node = Node::start(opts).await?;
         let handle = node.handle();
         for _ in 0..per_identity.min(requests - sent) {
-            let spec = LeaseSpec {
-                gpus: 8,
-                ..crate::ledger::bare_lease(&provider.peer_id, 60_000)
-            };
+            let spec = LeaseSpec::new(8, 60_000).peer(&provider.peer_id);
             let refused = handle.request_lease(spec).await.is_err();
             anyhow::ensure!(refused, "8 GPUs of a 1-GPU provider were granted");
             sent += 1;

@@ -134,7 +134,7 @@ pub async fn transfer(bytes: u64, runs: usize) -> Result<Vec<TransferReport>> {
         config.transport = transport;
         config.tweak = Some(roomy);
         let net = TestNet::start(config).await?;
-        let client = net.client().await?;
+        let client = net.new_client().await?;
         let dir = tempfile::Builder::new()
             .prefix("bench-transfer")
             .tempdir()?;

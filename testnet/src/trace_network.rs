@@ -114,7 +114,7 @@ pub async fn replay_network(
     let net = TestNet::start(config).await?;
     let mut clients = Vec::new();
     for _ in 0..cfg.users.max(1) {
-        let c = net.client().await?;
+        let c = net.new_client().await?;
         TestNet::wait_for_offers(
             &c.handle,
             &OfferFilter::default(),
