@@ -227,6 +227,77 @@ pub struct LeaseSpec {
     pub start_at_ms: Option<u64>,
 }
 
+impl LeaseSpec {
+    /// `gpus` whole GPUs for `duration_ms` from any provider, with no CPU or memory of
+    /// its own, on the wasm executor; the setters below ask for more.
+    pub fn new(gpus: u32, duration_ms: u64) -> LeaseSpec {
+        LeaseSpec {
+            peer: None,
+            gpus,
+            gpu_model: None,
+            gpu_slice: None,
+            min_gpu_mem_bytes: None,
+            cpus: 0,
+            mem_bytes: 0,
+            backend: "wasm".into(),
+            duration_ms,
+            max_price: None,
+            exclude: Vec::new(),
+            kind: Default::default(),
+            ticket: None,
+            start_at_ms: None,
+        }
+    }
+
+    /// Asks this provider (peer id) only.
+    pub fn peer(mut self, peer: impl Into<String>) -> LeaseSpec {
+        self.peer = Some(peer.into());
+        self
+    }
+
+    /// GPUs of this model or family.
+    pub fn gpu_model(mut self, model: impl Into<String>) -> LeaseSpec {
+        self.gpu_model = Some(model.into());
+        self
+    }
+
+    /// A MIG slice of this profile instead of whole GPUs.
+    pub fn gpu_slice(mut self, profile: impl Into<String>) -> LeaseSpec {
+        self.gpu_slice = Some(profile.into());
+        self
+    }
+
+    /// CPU cores.
+    pub fn cpus(mut self, cpus: u32) -> LeaseSpec {
+        self.cpus = cpus;
+        self
+    }
+
+    /// RAM, bytes.
+    pub fn mem_bytes(mut self, bytes: u64) -> LeaseSpec {
+        self.mem_bytes = bytes;
+        self
+    }
+
+    /// Highest acceptable credits per GPU-hour.
+    pub fn max_price(mut self, price: f64) -> LeaseSpec {
+        self.max_price = Some(price);
+        self
+    }
+
+    /// Waits in providers' queues under this ticket.
+    pub fn ticket(mut self, ticket: u128) -> LeaseSpec {
+        self.ticket = Some(ticket);
+        self
+    }
+
+    /// Starts at this later time (a reservation).
+    pub fn start_at_ms(mut self, at_ms: u64) -> LeaseSpec {
+        self.start_at_ms = Some(at_ms);
+        self
+    }
+}
+
 /// The outcome of a cancellation.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct CancelOutcome {

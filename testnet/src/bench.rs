@@ -4,10 +4,11 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
+use gpunode_node::NodeHandle;
 use gpunode_protocol::advert::OfferFilter;
 use serde::Serialize;
 
-use crate::{TestNet, TestNetConfig, Transport};
+use crate::{TestNet, TestNetConfig, TestNode, Transport};
 
 /// GPU models spread over benchmark networks, so no capability key has more than
 /// Kademlia's 20 providers at 200 nodes (a response carries at most k = 20 providers).
@@ -100,41 +101,9 @@ pub async fn discovery(n: usize, lookups: usize) -> Result<DiscoveryReport> {
     config.inventory_poll = Duration::from_secs(5);
     config.batch = 10;
     let net = TestNet::start(config).await?;
-    let client = net.client().await?;
-    let filter = |m: usize| OfferFilter {
-        gpu_model: Some(BENCH_MODELS[m].to_string()),
-        gpu_slice: None,
-        ..OfferFilter::default()
-    };
+    let client = net.new_client().await?;
     for (m, want) in expected.iter().enumerate() {
-        let deadline = Instant::now() + Duration::from_secs(120);
-        loop {
-            let s = client.handle.search_offers(filter(m)).await?;
-            if s.offers.len() >= *want {
-                break;
-            }
-            if Instant::now() > deadline {
-                for (i, node) in net.nodes.iter().enumerate() {
-                    if i % BENCH_MODELS.len() == m {
-                        let st = node.handle.status().await?;
-                        let seen = s.offers.iter().any(|o| o.peer_id == st.peer_id);
-                        eprintln!(
-                            "node {i} seen={seen} table={} connected={} advert={:?}",
-                            st.routing_table_size,
-                            st.connected_peers.len(),
-                            st.advert
-                        );
-                    }
-                }
-                bail!(
-                    "{}: {} of {want} providers visible after 120s ({} provider records found)",
-                    BENCH_MODELS[m],
-                    s.offers.len(),
-                    s.providers
-                );
-            }
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
+        wait_until_visible(&net, &client, m, *want).await?;
     }
     let startup_s = started.elapsed().as_secs_f64();
     let rss_per_node = (rss_bytes().saturating_sub(rss_before)) as f64 / n as f64;
@@ -145,7 +114,7 @@ pub async fn discovery(n: usize, lookups: usize) -> Result<DiscoveryReport> {
     for j in 0..lookups {
         let m = j % BENCH_MODELS.len();
         let t = Instant::now();
-        let search = client.handle.search_offers(filter(m)).await?;
+        let search = client.handle.search_offers(model_filter(m)).await?;
         times.push(t.elapsed().as_secs_f64() * 1000.0);
         requests.push(search.dht_requests);
         if search.offers.len() == expected[m] {
@@ -169,6 +138,48 @@ pub async fn discovery(n: usize, lookups: usize) -> Result<DiscoveryReport> {
     };
     net.shutdown().await;
     Ok(report)
+}
+
+/// Offers of GPU model `BENCH_MODELS[m]`.
+fn model_filter(m: usize) -> OfferFilter {
+    OfferFilter {
+        gpu_model: Some(BENCH_MODELS[m].to_string()),
+        gpu_slice: None,
+        ..OfferFilter::default()
+    }
+}
+
+/// Waits up to 120 s until `client` finds `want` providers of model `m`; if it does
+/// not, prints what each of them reports and fails.
+async fn wait_until_visible(net: &TestNet, client: &TestNode, m: usize, want: usize) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let s = client.handle.search_offers(model_filter(m)).await?;
+        if s.offers.len() >= want {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            for (i, node) in net.nodes.iter().enumerate() {
+                if i % BENCH_MODELS.len() == m {
+                    let st = node.handle.status().await?;
+                    let seen = s.offers.iter().any(|o| o.peer_id == st.peer_id);
+                    eprintln!(
+                        "node {i} seen={seen} table={} connected={} advert={:?}",
+                        st.routing_table_size,
+                        st.connected_peers.len(),
+                        st.advert
+                    );
+                }
+            }
+            bail!(
+                "{}: {} of {want} providers visible after 120s ({} provider records found)",
+                BENCH_MODELS[m],
+                s.offers.len(),
+                s.providers
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }
 
 /// Result of one `lease` run.
@@ -205,45 +216,50 @@ pub async fn lease(
     config.tweak = Some(roomy);
     config.inventory_poll = Duration::from_secs(5);
     config.ephemeral_store = std::env::var("BENCH_EPHEMERAL").is_ok();
-    let net = TestNet::start(config).await?;
-    let provider = net.nodes[0].handle.peer_id().to_string();
-    let spec = gpunode_node::LeaseSpec {
-        peer: Some(provider),
-        gpus: 0,
-        gpu_model: None,
-        gpu_slice: None,
-        min_gpu_mem_bytes: None,
-        cpus: 1,
-        mem_bytes: 1 << 20,
-        backend: "wasm".into(),
-        duration_ms: lease_ms,
-        max_price: None,
-        exclude: Vec::new(),
-        kind: Default::default(),
-        ticket: None,
-        start_at_ms: None,
-    };
-    let mut clients = Vec::with_capacity(requesters.max(1));
-    for _ in 0..requesters.max(1) {
-        clients.push(net.client().await?);
-    }
+    let net = TestNet::configured(config)
+        .with_clients(requesters.max(1))
+        .start()
+        .await?;
+    let spec = gpunode_node::LeaseSpec::new(0, lease_ms)
+        .peer(net.provider_id(0))
+        .cpus(1)
+        .mem_bytes(1 << 20);
+    let clients: Vec<NodeHandle> = net.clients().iter().map(|c| c.handle.clone()).collect();
     // Warm up the connection and code paths.
     for _ in 0..20 {
-        clients[0].handle.request_lease(spec.clone()).await?;
+        clients[0].request_lease(spec.clone()).await?;
     }
     let mut times = Vec::with_capacity(round_trips);
     for _ in 0..round_trips {
         let t = Instant::now();
-        clients[0].handle.request_lease(spec.clone()).await?;
+        clients[0].request_lease(spec.clone()).await?;
         times.push(t.elapsed().as_secs_f64() * 1000.0);
     }
     times.sort_by(f64::total_cmp);
+    let (ok, failed, elapsed) = lease_flood(&clients, &spec, seconds).await?;
+    let report = LeaseReport {
+        round_trips,
+        median_ms: percentile(&times, 0.5),
+        p99_ms: percentile(&times, 0.99),
+        requesters: clients.len(),
+        leases_per_s: ok as f64 / elapsed,
+        failures: failed,
+    };
+    net.shutdown().await;
+    Ok(report)
+}
 
+/// Every client asks for `spec` again and again for `seconds`; the leases granted, the
+/// requests refused and the seconds it took.
+async fn lease_flood(
+    clients: &[NodeHandle],
+    spec: &gpunode_node::LeaseSpec,
+    seconds: u64,
+) -> Result<(usize, usize, f64)> {
     let stop = Instant::now() + Duration::from_secs(seconds);
     let mut tasks = Vec::new();
-    for c in &clients {
-        let handle = c.handle.clone();
-        let spec = spec.clone();
+    for handle in clients {
+        let (handle, spec) = (handle.clone(), spec.clone());
         tasks.push(tokio::spawn(async move {
             let (mut ok, mut failed) = (0usize, 0usize);
             while Instant::now() < stop {
@@ -262,18 +278,5 @@ pub async fn lease(
         ok += o;
         failed += f;
     }
-    let elapsed = started.elapsed().as_secs_f64();
-    let report = LeaseReport {
-        round_trips,
-        median_ms: percentile(&times, 0.5),
-        p99_ms: percentile(&times, 0.99),
-        requesters: clients.len(),
-        leases_per_s: ok as f64 / elapsed,
-        failures: failed,
-    };
-    for mut c in clients {
-        c.shutdown().await;
-    }
-    net.shutdown().await;
-    Ok(report)
+    Ok((ok, failed, started.elapsed().as_secs_f64()))
 }

@@ -6,9 +6,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use futures::StreamExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
-use gpunode_node::{DataDir, LeaseSpec, Node, NodeConfig, NodeOptions, Role};
+use gpunode_node::{DataDir, LeaseSpec, Node, NodeConfig, NodeHandle, NodeOptions, Role};
 use libp2p::swarm::dial_opts::{DialOpts, PeerCondition};
 use libp2p::swarm::SwarmEvent;
 use libp2p::{Multiaddr, PeerId};
@@ -47,7 +47,7 @@ pub async fn flood(runs: usize, streams: usize, attempts_per_s: u32) -> Result<F
     let provider = net.nodes[0].handle.clone();
     let provider_id = provider.peer_id();
     let provider_addr: Multiaddr = net.nodes[0].addr.parse()?;
-    let mut client = net.client().await?;
+    let mut client = net.new_client().await?;
     TestNet::wait_for_offers(
         &client.handle,
         &gpunode_protocol::advert::OfferFilter::default(),
@@ -58,59 +58,27 @@ pub async fn flood(runs: usize, streams: usize, attempts_per_s: u32) -> Result<F
     let input = tempfile::tempdir()?;
     std::fs::write(input.path().join("data.bin"), b"honest bytes")?;
     let out = tempfile::tempdir()?;
-    let time_runs = |label: &'static str| {
-        let (client, input, out) = (
-            client.handle.clone(),
-            input.path().to_path_buf(),
-            out.path().to_path_buf(),
-        );
-        async move {
-            let mut times = Vec::with_capacity(runs);
-            for i in 0..runs {
-                let mut req = request(task("copy.wat"), &out.join(format!("{label}-{i}")));
-                req.inputs = vec![input.join("data.bin")];
-                let t = Instant::now();
-                let (_, end) = run_to_end(&client, req, Duration::from_secs(120)).await?;
-                end.map_err(|e| anyhow::anyhow!("{label} job failed: {e}"))?;
-                times.push(t.elapsed().as_secs_f64() * 1000.0);
-            }
-            times.sort_by(f64::total_cmp);
-            Ok::<_, anyhow::Error>(times)
-        }
+    let jobs = HonestJobs {
+        client: client.handle.clone(),
+        input: input.path().join("data.bin"),
+        out: out.path().to_path_buf(),
+        runs,
     };
     // Warm up, then the quiet figure.
-    time_runs("warm").await?;
-    let quiet = time_runs("quiet").await?;
+    jobs.time("warm").await?;
+    let quiet = jobs.time("quiet").await?;
     eprintln!("flood: quiet median {:.1} ms", percentile(&quiet, 0.5));
 
     // The attacker: idle job streams from one node, connection attempts from a raw
     // swarm of its own.
-    let mut attacker = net.client().await?;
+    let mut attacker = net.new_client().await?;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let opener = {
-        let h = attacker.handle.clone();
-        let mut stop = stop_rx.clone();
-        tokio::spawn(async move {
-            let mut held = Vec::new();
-            while held.len() < streams && !*stop.borrow() {
-                tokio::select! {
-                    s = tokio::time::timeout(Duration::from_millis(500), h.open_job_stream(provider_id)) => {
-                        if let Ok(Ok(s)) = s { held.push(s) }
-                    }
-                    _ = stop.changed() => break,
-                }
-            }
-            let opened = held.len();
-            // Held until the runs are over.
-            while !*stop.borrow() {
-                if stop.changed().await.is_err() {
-                    break;
-                }
-            }
-            drop(held);
-            opened
-        })
-    };
+    let opener = tokio::spawn(hold_idle_streams(
+        attacker.handle.clone(),
+        provider_id,
+        streams,
+        stop_rx.clone(),
+    ));
     let dialer = tokio::spawn(connection_flood(
         provider_id,
         provider_addr,
@@ -121,7 +89,7 @@ pub async fn flood(runs: usize, streams: usize, attempts_per_s: u32) -> Result<F
     tokio::time::sleep(Duration::from_secs(2)).await;
     let started = Instant::now();
     eprintln!("flood: attacking; timing honest jobs");
-    let flood = time_runs("flood").await?;
+    let flood = jobs.time("flood").await?;
     eprintln!("flood: flood median {:.1} ms", percentile(&flood, 0.5));
     let flood_secs = started.elapsed().as_secs_f64();
     let _ = stop_tx.send(true);
@@ -144,6 +112,60 @@ pub async fn flood(runs: usize, streams: usize, attempts_per_s: u32) -> Result<F
         attempts_per_s: connection_attempts as f64 / (flood_secs + 2.0),
         streams_refused,
     })
+}
+
+/// The honest requester's jobs of the flood benchmark: copy `input` to a directory
+/// of `out`, `runs` times.
+struct HonestJobs {
+    client: NodeHandle,
+    input: PathBuf,
+    out: PathBuf,
+    runs: usize,
+}
+
+impl HonestJobs {
+    /// Runs the jobs one after another; their times, sorted, ms.
+    async fn time(&self, label: &str) -> Result<Vec<f64>> {
+        let mut times = Vec::with_capacity(self.runs);
+        for i in 0..self.runs {
+            let req = request(task("copy.wat"), &self.out.join(format!("{label}-{i}")))
+                .input(&self.input);
+            let t = Instant::now();
+            let (_, end) = run_to_end(&self.client, req, Duration::from_secs(120)).await?;
+            end.map_err(|e| anyhow::anyhow!("{label} job failed: {e}"))?;
+            times.push(t.elapsed().as_secs_f64() * 1000.0);
+        }
+        times.sort_by(f64::total_cmp);
+        Ok(times)
+    }
+}
+
+/// Opens up to `streams` job streams to `provider` from `attacker` and says nothing on
+/// them, holding them until `stop`; returns how many opened.
+async fn hold_idle_streams(
+    attacker: NodeHandle,
+    provider: PeerId,
+    streams: usize,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) -> usize {
+    let mut held = Vec::new();
+    while held.len() < streams && !*stop.borrow() {
+        tokio::select! {
+            s = tokio::time::timeout(Duration::from_millis(500), attacker.open_job_stream(provider)) => {
+                if let Ok(Ok(s)) = s { held.push(s) }
+            }
+            _ = stop.changed() => break,
+        }
+    }
+    let opened = held.len();
+    // Held until the runs are over.
+    while !*stop.borrow() {
+        if stop.changed().await.is_err() {
+            break;
+        }
+    }
+    drop(held);
+    opened
 }
 
 /// Dials `peer` at `addr` `per_s` times a second, each a new connection, until `stop`;
@@ -237,10 +259,7 @@ pub async fn sybil(binary: &Path, requests: usize, per_identity: usize) -> Resul
         let node = Node::start(opts).await?;
         let handle = node.handle();
         for _ in 0..per_identity.min(requests - sent) {
-            let spec = LeaseSpec {
-                gpus: 8,
-                ..crate::ledger::bare_lease(&provider.peer_id, 60_000)
-            };
+            let spec = LeaseSpec::new(8, 60_000).peer(&provider.peer_id);
             let refused = handle.request_lease(spec).await.is_err();
             anyhow::ensure!(refused, "8 GPUs of a 1-GPU provider were granted");
             sent += 1;

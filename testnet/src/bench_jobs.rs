@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use gpunode_node::jobs::JobEvent;
+use gpunode_sandbox::wasm::{CancelToken, Isolation, Limits, RunSpec, WasmExecutor};
 use serde::Serialize;
 
 use crate::bench::percentile;
@@ -134,7 +135,7 @@ pub async fn transfer(bytes: u64, runs: usize) -> Result<Vec<TransferReport>> {
         config.transport = transport;
         config.tweak = Some(roomy);
         let net = TestNet::start(config).await?;
-        let client = net.client().await?;
+        let client = net.new_client().await?;
         let dir = tempfile::Builder::new()
             .prefix("bench-transfer")
             .tempdir()?;
@@ -299,7 +300,6 @@ pub fn sandbox_overhead(
     n: usize,
     runs: usize,
 ) -> Result<Vec<SandboxReport>> {
-    use gpunode_sandbox::wasm::{CancelToken, Isolation, Limits, RunSpec, WasmExecutor};
     let arg = n.to_string();
     let mut native_times = Vec::new();
     let mut expected = String::new();
@@ -311,24 +311,16 @@ pub fn sandbox_overhead(
     }
     native_times.sort_by(f64::total_cmp);
     let native_ms = percentile(&native_times, 0.5);
-    let bytes = std::fs::read(wasm).with_context(|| format!("read {}", wasm.display()))?;
-    let hello =
-        std::fs::read(Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/wat/hello.wat"))?;
     let work = tempfile::tempdir()?;
-    type Captured = std::sync::Arc<std::sync::Mutex<Vec<u8>>>;
-    let spec = |args: Vec<String>, out: Captured| RunSpec {
-        args,
-        env: Vec::new(),
-        input_dir: None,
+    let kernel = SandboxRuns {
+        kernel: std::fs::read(wasm).with_context(|| format!("read {}", wasm.display()))?,
+        hello: std::fs::read(
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/wat/hello.wat"),
+        )?,
+        args: vec!["matmul".into(), arg],
+        expected,
+        runs,
         output_dir: work.path().join("out"),
-        limits: Limits::default(),
-        stdout: Box::new(move |b: &[u8]| {
-            if let Ok(mut o) = out.lock() {
-                o.extend_from_slice(b)
-            }
-        }),
-        stderr: Box::new(|_| {}),
-        cancel: CancelToken::new(),
     };
     let mut reports = Vec::new();
     for isolation in [Isolation::Process(worker.to_path_buf()), Isolation::Thread] {
@@ -336,55 +328,109 @@ pub fn sandbox_overhead(
             Isolation::Process(_) => "process",
             Isolation::Thread => "thread",
         };
-        let cache = tempfile::tempdir()?;
-        let exec = WasmExecutor::with_isolation(cache.path(), isolation.clone())?;
-        let t = Instant::now();
-        let task = exec.compile(&bytes, false)?;
-        let compile_ms = t.elapsed().as_secs_f64() * 1000.0;
-        let mut wasm_times = Vec::new();
-        for _ in 0..runs {
-            let out: Captured = Default::default();
-            let t = Instant::now();
-            exec.run(&task, spec(vec!["matmul".into(), arg.clone()], out.clone()))?;
-            wasm_times.push(t.elapsed().as_secs_f64() * 1000.0);
-            let got = out.lock().map(|o| o.clone()).unwrap_or_default();
-            if String::from_utf8_lossy(&got) != expected {
-                bail!("wasm and native disagree: {got:?} vs {expected:?}");
-            }
-        }
-        // Start of a trivial task whose module is cached: compile() hit plus the run.
-        exec.compile(&hello, false)?;
-        let mut start_times = Vec::new();
-        for _ in 0..runs.max(20) {
-            let t = Instant::now();
-            let task = exec.compile(&hello, false)?;
-            exec.run(&task, spec(Vec::new(), Default::default()))?;
-            start_times.push(t.elapsed().as_secs_f64() * 1000.0);
-        }
-        let mut disk_times = Vec::new();
-        for _ in 0..5 {
-            let fresh = WasmExecutor::with_isolation(cache.path(), isolation.clone())?;
-            let t = Instant::now();
-            let task = fresh.compile(&hello, false)?;
-            fresh.run(&task, spec(Vec::new(), Default::default()))?;
-            disk_times.push(t.elapsed().as_secs_f64() * 1000.0);
-        }
-        for v in [&mut wasm_times, &mut start_times, &mut disk_times] {
-            v.sort_by(f64::total_cmp);
-        }
-        let wasm_ms = percentile(&wasm_times, 0.5);
+        let times = kernel.measure(isolation)?;
         reports.push(SandboxReport {
             n,
             native_ms,
             isolation: label.into(),
-            wasm_ms,
-            ratio: wasm_ms / native_ms,
-            cached_start_ms: percentile(&start_times, 0.5),
-            disk_cached_start_ms: percentile(&disk_times, 0.5),
-            compile_ms,
+            wasm_ms: times.wasm_ms,
+            ratio: times.wasm_ms / native_ms,
+            cached_start_ms: times.cached_start_ms,
+            disk_cached_start_ms: times.disk_cached_start_ms,
+            compile_ms: times.compile_ms,
         });
     }
     Ok(reports)
+}
+
+/// Stdout of a sandboxed task, as it arrives.
+type Captured = std::sync::Arc<std::sync::Mutex<Vec<u8>>>;
+
+/// What `sandbox-overhead` runs in the sandbox: the kernel (whose stdout must be the
+/// native run's) and a trivial task.
+struct SandboxRuns {
+    kernel: Vec<u8>,
+    hello: Vec<u8>,
+    args: Vec<String>,
+    expected: String,
+    runs: usize,
+    output_dir: PathBuf,
+}
+
+/// Medians of one isolation's runs, ms.
+struct IsolationTimes {
+    compile_ms: f64,
+    wasm_ms: f64,
+    cached_start_ms: f64,
+    disk_cached_start_ms: f64,
+}
+
+impl SandboxRuns {
+    fn spec(&self, args: Vec<String>, out: Captured) -> RunSpec {
+        RunSpec {
+            args,
+            env: Vec::new(),
+            input_dir: None,
+            output_dir: self.output_dir.clone(),
+            limits: Limits::default(),
+            stdout: Box::new(move |b: &[u8]| {
+                if let Ok(mut o) = out.lock() {
+                    o.extend_from_slice(b)
+                }
+            }),
+            stderr: Box::new(|_| {}),
+            cancel: CancelToken::new(),
+        }
+    }
+
+    /// The kernel's compilation and runs, then the trivial task's starts from a cached
+    /// module, in memory and from disk, under `isolation`.
+    fn measure(&self, isolation: Isolation) -> Result<IsolationTimes> {
+        let cache = tempfile::tempdir()?;
+        let exec = WasmExecutor::with_isolation(cache.path(), isolation.clone())?;
+        let t = Instant::now();
+        let task = exec.compile(&self.kernel, false)?;
+        let compile_ms = t.elapsed().as_secs_f64() * 1000.0;
+        let mut wasm_times = Vec::new();
+        for _ in 0..self.runs {
+            let out: Captured = Default::default();
+            let t = Instant::now();
+            exec.run(&task, self.spec(self.args.clone(), out.clone()))?;
+            wasm_times.push(t.elapsed().as_secs_f64() * 1000.0);
+            let got = out.lock().map(|o| o.clone()).unwrap_or_default();
+            if String::from_utf8_lossy(&got) != self.expected {
+                bail!("wasm and native disagree: {got:?} vs {:?}", self.expected);
+            }
+        }
+        // Start of a trivial task whose module is cached: compile() hit plus the run.
+        exec.compile(&self.hello, false)?;
+        let mut start_times = Vec::new();
+        for _ in 0..self.runs.max(20) {
+            start_times.push(self.time_hello(&exec)?);
+        }
+        let mut disk_times = Vec::new();
+        for _ in 0..5 {
+            let fresh = WasmExecutor::with_isolation(cache.path(), isolation.clone())?;
+            disk_times.push(self.time_hello(&fresh)?);
+        }
+        for v in [&mut wasm_times, &mut start_times, &mut disk_times] {
+            v.sort_by(f64::total_cmp);
+        }
+        Ok(IsolationTimes {
+            compile_ms,
+            wasm_ms: percentile(&wasm_times, 0.5),
+            cached_start_ms: percentile(&start_times, 0.5),
+            disk_cached_start_ms: percentile(&disk_times, 0.5),
+        })
+    }
+
+    /// Time of one compile (a cache hit) and run of the trivial task, ms.
+    fn time_hello(&self, exec: &WasmExecutor) -> Result<f64> {
+        let t = Instant::now();
+        let task = exec.compile(&self.hello, false)?;
+        exec.run(&task, self.spec(Vec::new(), Default::default()))?;
+        Ok(t.elapsed().as_secs_f64() * 1000.0)
+    }
 }
 
 /// The example kernel built natively and for wasm32-wasip1 (release), building both.

@@ -15,33 +15,12 @@ pub fn task(name: &str) -> PathBuf {
         .join(name)
 }
 
-/// A request for `module` with one CPU, 256 MiB, a minute, two retries.
+/// A request for `module` with one CPU, 256 MiB, a minute, two retries; chain
+/// [`JobRequest`]'s setters for more.
 pub fn request(module: PathBuf, output_dir: &Path) -> JobRequest {
-    JobRequest {
-        module,
-        container: None,
-        inputs: Vec::new(),
-        output_dir: output_dir.to_path_buf(),
-        output_per_job: false,
-        args: Vec::new(),
-        env: Vec::new(),
-        gpus: 0,
-        gpu_model: None,
-        gpu_slice: None,
-        wait: None,
-        reservation: None,
-        max_output_bytes: None,
-        max_output_files: None,
-        cpus: 1,
-        mem_bytes: 256 << 20,
-        timeout_ms: 60_000,
-        max_price: None,
-        peer: None,
-        retries: 2,
-        fuel: None,
-        replicas: 1,
-        kind: Default::default(),
-    }
+    JobRequest::new(module, output_dir)
+        .mem_bytes(256 << 20)
+        .timeout_ms(60_000)
 }
 
 /// Reads a job's events from `*from` on until `stop` accepts one or the job ends.

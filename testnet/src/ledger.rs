@@ -22,22 +22,7 @@ use crate::{TestNet, TestNetConfig, Transport};
 
 /// A lease of nothing but the provider's attention, for settlement tests.
 pub fn bare_lease(provider: &str, duration_ms: u64) -> LeaseSpec {
-    LeaseSpec {
-        peer: Some(provider.to_string()),
-        gpus: 0,
-        gpu_model: None,
-        gpu_slice: None,
-        min_gpu_mem_bytes: None,
-        cpus: 0,
-        mem_bytes: 0,
-        backend: "wasm".into(),
-        duration_ms,
-        max_price: None,
-        exclude: Vec::new(),
-        kind: Default::default(),
-        ticket: None,
-        start_at_ms: None,
-    }
+    LeaseSpec::new(0, duration_ms).peer(provider)
 }
 
 /// Starts a requester node with its data in `data_dir`, bootstrapped to `provider_addr`
@@ -118,7 +103,7 @@ pub async fn bench(
     config.transport = Transport::Quic;
     let net = TestNet::start(config).await?;
     let provider = net.nodes[0].handle.clone();
-    let mut client = net.client_with_store().await?;
+    let mut client = net.new_client_with_store().await?;
     let requester = client.handle.clone();
     let provider_id = provider.peer_id().to_string();
 

@@ -9,12 +9,13 @@ pub mod bench;
 pub mod bench_container;
 pub mod bench_hostile;
 pub mod bench_jobs;
-pub mod images;
+mod fixture;
 pub mod jobs;
 pub mod ledger;
-pub mod process;
 pub mod trace_network;
 pub mod trace_replay;
+
+pub use gpunode_procs::{images, process};
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -26,6 +27,8 @@ use gpunode_node::{
 };
 use gpunode_protocol::advert::OfferFilter;
 use tempfile::TempDir;
+
+pub use fixture::TestNetBuilder;
 
 /// Which transport the nodes of a test network listen on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -232,10 +235,11 @@ async fn wait_for_listen_addr(handle: &NodeHandle) -> Result<String> {
     bail!("node did not start listening within 2s")
 }
 
-/// A network of in-process nodes.
+/// A network of in-process nodes: providers, and the clients the test added to it.
 pub struct TestNet {
     /// The nodes, in start order; node 0 is everyone's bootstrap peer.
     pub nodes: Vec<TestNode>,
+    clients: Vec<TestNode>,
     config: TestNetConfig,
 }
 
@@ -266,7 +270,11 @@ impl TestNet {
                     .context("a node found no peers within 30s")?;
             }
         }
-        Ok(TestNet { nodes, config })
+        Ok(TestNet {
+            nodes,
+            clients: Vec::new(),
+            config,
+        })
     }
 
     /// The network's configuration.
@@ -274,14 +282,43 @@ impl TestNet {
         &self.config
     }
 
-    /// A client node (advertises nothing) bootstrapped to node 0, its store in memory.
-    pub async fn client(&self) -> Result<TestNode> {
+    /// A client node (advertises nothing) bootstrapped to node 0, its store in memory;
+    /// the caller owns it (see [`TestNet::add_client`] for one the network stops).
+    pub async fn new_client(&self) -> Result<TestNode> {
         self.client_node(true).await
     }
 
     /// A client node whose store is on disk (durable writes, as in production).
-    pub async fn client_with_store(&self) -> Result<TestNode> {
+    pub async fn new_client_with_store(&self) -> Result<TestNode> {
         self.client_node(false).await
+    }
+
+    /// Starts one more client, kept with the network (stopped by
+    /// [`TestNet::shutdown`]), and returns it; it is `client(clients().len() - 1)`.
+    pub async fn add_client(&mut self) -> Result<&TestNode> {
+        let client = self.new_client().await?;
+        self.clients.push(client);
+        Ok(&self.clients[self.clients.len() - 1])
+    }
+
+    /// Provider `i`.
+    pub fn provider(&self, i: usize) -> &TestNode {
+        &self.nodes[i]
+    }
+
+    /// Provider `i`'s peer id, as leases and offers name it.
+    pub fn provider_id(&self, i: usize) -> String {
+        self.nodes[i].handle.peer_id().to_string()
+    }
+
+    /// Client `i`, in the order they were added.
+    pub fn client(&self, i: usize) -> &TestNode {
+        &self.clients[i]
+    }
+
+    /// Every client, in the order they were added.
+    pub fn clients(&self) -> &[TestNode] {
+        &self.clients
     }
 
     async fn client_node(&self, ephemeral: bool) -> Result<TestNode> {
@@ -338,9 +375,9 @@ impl TestNet {
         }
     }
 
-    /// Stops every node gracefully.
+    /// Stops every client, then every provider, gracefully.
     pub async fn shutdown(mut self) {
-        for n in &mut self.nodes {
+        for n in self.clients.iter_mut().chain(&mut self.nodes) {
             n.shutdown().await;
         }
     }

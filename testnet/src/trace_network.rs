@@ -11,11 +11,9 @@ use std::sync::atomic::{AtomicI64, Ordering as AtomicOrdering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::Context;
 use gpunode_node::config::QueueOrder;
-use gpunode_node::jobs::JobEvent;
-use gpunode_node::NodeConfig;
-use gpunode_protocol::advert::OfferFilter;
+use gpunode_node::jobs::{JobEvent, JobRequest};
+use gpunode_node::{NodeConfig, NodeHandle};
 
 use crate::jobs::{events_until, outcome, request, task, until_end};
 use crate::trace_replay::{TraceJob, TraceNode, WaitFigures};
@@ -87,6 +85,7 @@ fn fcfs(_: usize, c: &mut NodeConfig) {
     c.queue_order = QueueOrder::Fcfs;
 }
 
+/// When one job was submitted, started and ended.
 struct Timing {
     user: String,
     submitted: Instant,
@@ -103,124 +102,165 @@ pub async fn replay_network(
     order: QueueOrder,
     cfg: NetworkReplay,
 ) -> anyhow::Result<NetworkReport> {
-    let specs: Vec<Option<String>> = nodes
-        .iter()
-        .map(|n| Some(format!("{}x{}-16GB", n.gpus, n.model)))
-        .collect();
-    let mut config = TestNetConfig::new(specs);
-    if order == QueueOrder::Fcfs {
-        config.tweak = Some(fcfs);
-    }
-    let net = TestNet::start(config).await?;
-    let mut clients = Vec::new();
-    for _ in 0..cfg.users.max(1) {
-        let c = net.client().await?;
-        TestNet::wait_for_offers(
-            &c.handle,
-            &OfferFilter::default(),
-            Duration::from_secs(60),
-            |o| o.len() == nodes.len(),
-        )
-        .await
-        .context("every provider's offer")?;
-        clients.push(c);
-    }
+    let net = start_network(nodes, order, cfg.users).await?;
     let largest = nodes.iter().map(|n| n.gpus).max().unwrap_or(1);
     let total_gpus: u32 = nodes.iter().map(|n| n.gpus).sum();
     let out = tempfile::tempdir()?;
-    let waiting = Arc::new(AtomicI64::new(0));
-    let done = Arc::new(AtomicI64::new(0));
-    // Sample leased GPUs while something waits.
-    let providers: Vec<_> = net.nodes.iter().map(|n| n.handle.clone()).collect();
-    let sampler = {
-        let (waiting, done) = (waiting.clone(), done.clone());
-        let n = jobs.len() as i64;
-        tokio::spawn(async move {
-            let (mut busy, mut all) = (0f64, 0f64);
-            while done.load(AtomicOrdering::SeqCst) < n {
-                if waiting.load(AtomicOrdering::SeqCst) > 0 {
-                    let leased: i64 = providers
-                        .iter()
-                        .map(|h| h.metrics().leased_gpus.get())
-                        .sum();
-                    busy += leased as f64;
-                    all += total_gpus as f64;
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-            if all > 0.0 {
-                busy / all
-            } else {
-                1.0
-            }
-        })
-    };
+    let progress = Progress::default();
+    let sampler = sample_utilization(&net, total_gpus, progress.clone(), jobs.len());
     let t0 = Instant::now();
     let first = jobs.first().map_or(0, |j| j.submit_ms);
+    let clients = net.clients();
     let mut runs = Vec::new();
     for (i, job) in jobs.iter().enumerate() {
         let user: usize = job.user.trim_start_matches("user").parse().unwrap_or(0);
         let handle = clients[user % clients.len()].handle.clone();
-        let at = Duration::from_millis((job.submit_ms - first) * cfg.hour_ms / 3_600_000);
+        let at = t0 + Duration::from_millis((job.submit_ms - first) * cfg.hour_ms / 3_600_000);
         let run = scaled_run(job, &cfg);
-        let mut req = request(task("sleep.wat"), &out.path().join(i.to_string()));
-        req.args = vec![run.to_string()];
-        req.gpus = job.gpus.min(largest);
-        req.wait = Some(true);
-        req.timeout_ms = 2 * run + 5_000;
-        let (waiting, done, user) = (waiting.clone(), done.clone(), job.user.clone());
-        runs.push(tokio::spawn(async move {
-            tokio::time::sleep_until((t0 + at).into()).await;
-            let submitted = Instant::now();
-            let view = handle.submit_job(req);
-            let mut from = 0;
-            // Counted as waiting from its first `Waiting` event (no provider could take
-            // it at once) until it starts.
-            let queued = std::sync::atomic::AtomicBool::new(false);
-            let started = events_until(
-                &handle,
-                &view.job_id,
-                &mut from,
-                Duration::from_secs(3600),
-                |e| {
-                    if matches!(e, JobEvent::Waiting { .. })
-                        && !queued.swap(true, AtomicOrdering::SeqCst)
-                    {
-                        waiting.fetch_add(1, AtomicOrdering::SeqCst);
-                    }
-                    matches!(e, JobEvent::Started { .. })
-                },
-            )
-            .await
-            .ok()
-            .map(|_| Instant::now());
-            if queued.load(AtomicOrdering::SeqCst) {
-                waiting.fetch_sub(1, AtomicOrdering::SeqCst);
-            }
-            let events = until_end(&handle, &view.job_id, &mut from)
-                .await
-                .unwrap_or_default();
-            done.fetch_add(1, AtomicOrdering::SeqCst);
-            Timing {
-                user,
-                submitted,
-                started,
-                ended: Instant::now(),
-                run: Duration::from_millis(run),
-                ok: matches!(outcome(&events), Some(Ok(_))),
-            }
-        }));
+        let req = request(task("sleep.wat"), &out.path().join(i.to_string()))
+            .args([run.to_string()])
+            .gpus(job.gpus.min(largest))
+            .wait(true)
+            .timeout_ms(2 * run + 5_000);
+        let (user, run) = (job.user.clone(), Duration::from_millis(run));
+        runs.push(tokio::spawn(run_job(
+            handle,
+            req,
+            at,
+            user,
+            run,
+            progress.clone(),
+        )));
     }
     let mut timings = Vec::new();
     for r in runs {
         timings.push(r.await?);
     }
     let utilization = sampler.await?;
-    for mut c in clients {
-        c.shutdown().await;
-    }
     net.shutdown().await;
+    Ok(report(
+        order,
+        &timings,
+        nodes.len(),
+        total_gpus,
+        utilization,
+    ))
+}
 
+/// One provider per trace node (all FCFS for `QueueOrder::Fcfs`) and `users` clients
+/// that see every provider's offer.
+async fn start_network(
+    nodes: &[TraceNode],
+    order: QueueOrder,
+    users: u32,
+) -> anyhow::Result<TestNet> {
+    let specs: Vec<Option<String>> = nodes
+        .iter()
+        .map(|n| Some(format!("{}x{}-16GB", n.gpus, n.model)))
+        .collect();
+    let mut net = TestNet::configured(TestNetConfig::new(specs))
+        .with_clients(users.max(1) as usize)
+        .clients_see_offers(Duration::from_secs(60));
+    if order == QueueOrder::Fcfs {
+        net = net.tweak(fcfs);
+    }
+    net.start().await
+}
+
+/// Jobs waiting in queues now, and jobs ended, across the replay's tasks.
+#[derive(Debug, Clone, Default)]
+struct Progress {
+    waiting: Arc<AtomicI64>,
+    done: Arc<AtomicI64>,
+}
+
+/// Samples leased GPUs every 50 ms while something waits, until `jobs` jobs ended;
+/// the task's answer is the leased share.
+fn sample_utilization(
+    net: &TestNet,
+    total_gpus: u32,
+    progress: Progress,
+    jobs: usize,
+) -> tokio::task::JoinHandle<f64> {
+    let providers: Vec<_> = net.nodes.iter().map(|n| n.handle.clone()).collect();
+    let n = jobs as i64;
+    tokio::spawn(async move {
+        let (mut busy, mut all) = (0f64, 0f64);
+        while progress.done.load(AtomicOrdering::SeqCst) < n {
+            if progress.waiting.load(AtomicOrdering::SeqCst) > 0 {
+                let leased: i64 = providers
+                    .iter()
+                    .map(|h| h.metrics().leased_gpus.get())
+                    .sum();
+                busy += leased as f64;
+                all += total_gpus as f64;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        if all > 0.0 {
+            busy / all
+        } else {
+            1.0
+        }
+    })
+}
+
+/// Submits `user`'s `req` (a task of `run`) at `at` and follows it to its end, counting
+/// it as waiting from its first `Waiting` event (no provider could take it at once)
+/// until it starts.
+async fn run_job(
+    handle: NodeHandle,
+    req: JobRequest,
+    at: Instant,
+    user: String,
+    run: Duration,
+    progress: Progress,
+) -> Timing {
+    tokio::time::sleep_until(at.into()).await;
+    let submitted = Instant::now();
+    let view = handle.submit_job(req);
+    let mut from = 0;
+    let queued = std::sync::atomic::AtomicBool::new(false);
+    let started = events_until(
+        &handle,
+        &view.job_id,
+        &mut from,
+        Duration::from_secs(3600),
+        |e| {
+            if matches!(e, JobEvent::Waiting { .. }) && !queued.swap(true, AtomicOrdering::SeqCst) {
+                progress.waiting.fetch_add(1, AtomicOrdering::SeqCst);
+            }
+            matches!(e, JobEvent::Started { .. })
+        },
+    )
+    .await
+    .ok()
+    .map(|_| Instant::now());
+    if queued.load(AtomicOrdering::SeqCst) {
+        progress.waiting.fetch_sub(1, AtomicOrdering::SeqCst);
+    }
+    let events = until_end(&handle, &view.job_id, &mut from)
+        .await
+        .unwrap_or_default();
+    progress.done.fetch_add(1, AtomicOrdering::SeqCst);
+    Timing {
+        user,
+        submitted,
+        started,
+        ended: Instant::now(),
+        run,
+        ok: matches!(outcome(&events), Some(Ok(_))),
+    }
+}
+
+/// The figures of a replay from its jobs' timings.
+fn report(
+    order: QueueOrder,
+    timings: &[Timing],
+    nodes: usize,
+    gpus: u32,
+    utilization: f64,
+) -> NetworkReport {
     let figures = WaitFigures::of(timings.iter().map(|t| {
         let started = t.started.unwrap_or(t.ended);
         (
@@ -230,19 +270,19 @@ pub async fn replay_network(
             t.ended.duration_since(t.submitted).as_secs_f64(),
         )
     }));
-    Ok(NetworkReport {
+    NetworkReport {
         order: match order {
             QueueOrder::Fair => "fair",
             QueueOrder::Fcfs => "fcfs",
         },
         jobs: timings.len(),
         succeeded: timings.iter().filter(|t| t.ok).count(),
-        nodes: nodes.len(),
-        gpus: total_gpus,
+        nodes,
+        gpus,
         utilization_while_waiting: utilization,
         mean_wait_s: figures.mean_wait_s,
         p95_wait_s: figures.p95_wait_s,
         mean_jct_s: figures.mean_jct_s,
         jain_index: figures.jain_index,
-    })
+    }
 }

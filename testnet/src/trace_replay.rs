@@ -276,182 +276,265 @@ pub fn replay(
     order: Order,
     cfg: ReplayConfig,
 ) -> ReplayReport {
-    let mut providers: Vec<Provider> = nodes
-        .iter()
-        .map(|n| Provider {
-            queue: Queue::new(order, u64::MAX),
-            fair: FairShare::new(cfg.half_life_ms),
-            lease_end: vec![0; n.gpus as usize],
-            running: vec![None; n.gpus as usize],
-        })
-        .collect();
-    let total_gpus: u32 = nodes.iter().map(|n| n.gpus).sum();
-    let declared = |j: &TraceJob| {
-        ((j.run_ms as f64 * cfg.overestimate) as u64)
+    let mut sim = Replay::new(jobs, nodes, order, cfg);
+    while let Some(t) = sim.next_event() {
+        sim.measure_until(t);
+        sim.now = t;
+        sim.end_finished();
+        sim.queue_arrivals();
+        sim.start_planned();
+    }
+    sim.report(order)
+}
+
+/// GPU time summed while some job waited (GPU x trace ms).
+#[derive(Debug, Default)]
+struct Areas {
+    busy: f64,
+    total: f64,
+    usable: f64,
+    usable_busy: f64,
+}
+
+/// One replay in progress: the providers, which jobs started when, what waits where.
+struct Replay<'a> {
+    jobs: &'a [TraceJob],
+    nodes: &'a [TraceNode],
+    cfg: ReplayConfig,
+    providers: Vec<Provider>,
+    total_gpus: u32,
+    start: Vec<Option<u64>>,
+    /// (end, provider, job)
+    ends: BTreeSet<(u64, usize, usize)>,
+    waiting: BTreeSet<usize>,
+    queued_at: HashMap<usize, Vec<usize>>,
+    next_job: usize,
+    now: u64,
+    busy: u32,
+    areas: Areas,
+}
+
+impl<'a> Replay<'a> {
+    fn new(
+        jobs: &'a [TraceJob],
+        nodes: &'a [TraceNode],
+        order: Order,
+        cfg: ReplayConfig,
+    ) -> Replay<'a> {
+        let providers = nodes
+            .iter()
+            .map(|n| Provider {
+                queue: Queue::new(order, u64::MAX),
+                fair: FairShare::new(cfg.half_life_ms),
+                lease_end: vec![0; n.gpus as usize],
+                running: vec![None; n.gpus as usize],
+            })
+            .collect();
+        Replay {
+            jobs,
+            nodes,
+            cfg,
+            providers,
+            total_gpus: nodes.iter().map(|n| n.gpus).sum(),
+            start: vec![None; jobs.len()],
+            ends: BTreeSet::new(),
+            waiting: BTreeSet::new(),
+            queued_at: HashMap::new(),
+            next_job: 0,
+            now: 0,
+            busy: 0,
+            areas: Areas::default(),
+        }
+    }
+
+    /// The job's declared timeout.
+    fn declared(&self, j: &TraceJob) -> u64 {
+        ((j.run_ms as f64 * self.cfg.overestimate) as u64)
             .max(j.run_ms)
             .max(1000)
-    };
-    let mut start: Vec<Option<u64>> = vec![None; jobs.len()];
-    // (end, provider, job)
-    let mut ends: BTreeSet<(u64, usize, usize)> = BTreeSet::new();
-    let mut waiting: BTreeSet<usize> = BTreeSet::new();
-    let mut queued_at: HashMap<usize, Vec<usize>> = HashMap::new();
-    let mut next_job = 0;
-    let mut now = 0u64;
-    let (mut busy_area, mut total_area) = (0f64, 0f64);
-    let (mut usable_area, mut usable_busy_area) = (0f64, 0f64);
-    let mut busy = 0u32;
-    loop {
-        let next_arrival = jobs.get(next_job).map(|j| j.submit_ms);
-        let next_end = ends.first().map(|e| e.0);
-        let t = match (next_arrival, next_end) {
-            (None, None) => break,
-            (a, e) => a.unwrap_or(u64::MAX).min(e.unwrap_or(u64::MAX)),
-        };
-        if !waiting.is_empty() {
-            let dt = (t - now) as f64;
-            busy_area += busy as f64 * dt;
-            total_area += total_gpus as f64 * dt;
-            let need = waiting.iter().map(|j| jobs[*j].gpus).min().unwrap_or(0);
-            let (mut usable, mut usable_busy) = (0u32, 0u32);
-            for (node, prov) in nodes.iter().zip(&providers) {
-                if node.gpus >= need {
-                    usable += node.gpus;
-                    usable_busy += prov.running.iter().filter(|r| r.is_some()).count() as u32;
-                }
-            }
-            usable_area += usable as f64 * dt;
-            usable_busy_area += usable_busy as f64 * dt;
+    }
+
+    /// The next arrival or end; `None` when nothing is left to happen.
+    fn next_event(&self) -> Option<u64> {
+        let next_arrival = self.jobs.get(self.next_job).map(|j| j.submit_ms);
+        let next_end = self.ends.first().map(|e| e.0);
+        match (next_arrival, next_end) {
+            (None, None) => None,
+            (a, e) => Some(a.unwrap_or(u64::MAX).min(e.unwrap_or(u64::MAX))),
         }
-        now = t;
-        while let Some(&(end, p, j)) = ends.first() {
-            if end > now {
+    }
+
+    /// Adds the GPU time from now to `t` to the areas, if some job waits.
+    fn measure_until(&mut self, t: u64) {
+        if self.waiting.is_empty() {
+            return;
+        }
+        let dt = (t - self.now) as f64;
+        self.areas.busy += self.busy as f64 * dt;
+        self.areas.total += self.total_gpus as f64 * dt;
+        let need = self
+            .waiting
+            .iter()
+            .map(|j| self.jobs[*j].gpus)
+            .min()
+            .unwrap_or(0);
+        let (mut usable, mut usable_busy) = (0u32, 0u32);
+        for (node, prov) in self.nodes.iter().zip(&self.providers) {
+            if node.gpus >= need {
+                usable += node.gpus;
+                usable_busy += prov.running.iter().filter(|r| r.is_some()).count() as u32;
+            }
+        }
+        self.areas.usable += usable as f64 * dt;
+        self.areas.usable_busy += usable_busy as f64 * dt;
+    }
+
+    /// Frees the GPUs of the jobs that ended by now, and refunds their unused time.
+    fn end_finished(&mut self) {
+        while let Some(&(end, p, j)) = self.ends.first() {
+            if end > self.now {
                 break;
             }
-            ends.pop_first();
-            let prov = &mut providers[p];
+            self.ends.pop_first();
+            // Charged the declared time at the start; give back what was not used.
+            let job = &self.jobs[j];
+            let unused = self.declared(job).saturating_sub(job.run_ms);
+            let prov = &mut self.providers[p];
             for g in 0..prov.running.len() {
                 if prov.running[g] == Some(j) {
                     prov.running[g] = None;
                     prov.lease_end[g] = 0;
-                    busy -= 1;
+                    self.busy -= 1;
                 }
             }
-            // Charged the declared time at the start; give back what was not used.
-            let unused = declared(&jobs[j]).saturating_sub(jobs[j].run_ms);
             prov.fair
-                .charge(&jobs[j].user, -((unused * jobs[j].gpus as u64) as f64), now);
+                .charge(&job.user, -((unused * job.gpus as u64) as f64), self.now);
         }
-        while let Some(job) = jobs.get(next_job) {
-            if job.submit_ms > now {
+    }
+
+    /// Queues every job submitted by now at every provider large enough for it.
+    fn queue_arrivals(&mut self) {
+        while let Some(job) = self.jobs.get(self.next_job) {
+            if job.submit_ms > self.now {
                 break;
             }
+            let declared = self.declared(job);
             let mut at = Vec::new();
-            for (p, node) in nodes.iter().enumerate() {
+            for (p, node) in self.nodes.iter().enumerate() {
                 if node.gpus >= job.gpus {
-                    providers[p].queue.upsert(
+                    self.providers[p].queue.upsert(
                         Request {
-                            ticket: Ticket(next_job as u128),
+                            ticket: Ticket(self.next_job as u128),
                             user: job.user.clone(),
                             gpus: job.gpus,
                             eligible: (0..node.gpus).collect(),
-                            duration_ms: declared(job),
+                            duration_ms: declared,
                             standing: Standing::default(),
                         },
-                        now,
+                        self.now,
                     );
                     at.push(p);
                 }
             }
             if !at.is_empty() {
-                waiting.insert(next_job);
-                queued_at.insert(next_job, at);
+                self.waiting.insert(self.next_job);
+                self.queued_at.insert(self.next_job, at);
             }
-            next_job += 1;
+            self.next_job += 1;
         }
-        // Providers start what their plans start now, until nothing changes.
+    }
+
+    /// Providers start what their plans start now, until nothing changes.
+    fn start_planned(&mut self) {
         loop {
             let mut started_any = false;
-            for p in 0..providers.len() {
-                if providers[p].queue.is_empty() {
-                    continue;
-                }
-                let timeline: Vec<GpuTimeline> = providers[p]
-                    .lease_end
-                    .iter()
-                    .enumerate()
-                    .map(|(g, end)| GpuTimeline {
-                        index: g as u32,
-                        free_at: Some((*end).max(now).min(u64::MAX / 4)),
-                        reserved: Vec::new(),
-                    })
-                    .collect();
-                let plan = providers[p]
-                    .queue
-                    .plan(&timeline, &providers[p].fair, now, cfg.depth);
-                for place in plan.starting_now(now) {
-                    let j = place.ticket.0 as usize;
-                    if start[j].is_some() {
-                        continue;
-                    }
-                    start[j] = Some(now);
-                    waiting.remove(&j);
-                    for q in queued_at.remove(&j).unwrap_or_default() {
-                        providers[q].queue.remove(&place.ticket);
-                    }
-                    let job = &jobs[j];
-                    let prov = &mut providers[p];
-                    for g in &place.gpus {
-                        prov.running[*g as usize] = Some(j);
-                        prov.lease_end[*g as usize] = now + declared(job);
-                        busy += 1;
-                    }
-                    prov.fair
-                        .charge(&job.user, (declared(job) * job.gpus as u64) as f64, now);
-                    ends.insert((now + job.run_ms, p, j));
-                    started_any = true;
-                }
+            for p in 0..self.providers.len() {
+                started_any |= self.start_on(p);
             }
             if !started_any {
                 break;
             }
         }
     }
-    let mut unplaced = 0;
-    let mut samples = Vec::with_capacity(jobs.len());
-    for (j, job) in jobs.iter().enumerate() {
-        let Some(s) = start[j] else {
-            unplaced += 1;
-            continue;
-        };
-        let wait = (s - job.submit_ms) as f64 / 1000.0;
-        let run = job.run_ms as f64 / 1000.0;
-        samples.push((job.user.as_str(), wait, run, wait + run));
+
+    /// Starts what provider `p`'s plan starts now; whether it started any.
+    fn start_on(&mut self, p: usize) -> bool {
+        if self.providers[p].queue.is_empty() {
+            return false;
+        }
+        let now = self.now;
+        let timeline: Vec<GpuTimeline> = self.providers[p]
+            .lease_end
+            .iter()
+            .enumerate()
+            .map(|(g, end)| GpuTimeline {
+                index: g as u32,
+                free_at: Some((*end).max(now).min(u64::MAX / 4)),
+                reserved: Vec::new(),
+            })
+            .collect();
+        let plan =
+            self.providers[p]
+                .queue
+                .plan(&timeline, &self.providers[p].fair, now, self.cfg.depth);
+        let mut started_any = false;
+        for place in plan.starting_now(now) {
+            let j = place.ticket.0 as usize;
+            if self.start[j].is_some() {
+                continue;
+            }
+            self.start[j] = Some(now);
+            self.waiting.remove(&j);
+            for q in self.queued_at.remove(&j).unwrap_or_default() {
+                self.providers[q].queue.remove(&place.ticket);
+            }
+            let job = &self.jobs[j];
+            let declared = self.declared(job);
+            let prov = &mut self.providers[p];
+            for g in &place.gpus {
+                prov.running[*g as usize] = Some(j);
+                prov.lease_end[*g as usize] = now + declared;
+                self.busy += 1;
+            }
+            prov.fair
+                .charge(&job.user, (declared * job.gpus as u64) as f64, now);
+            self.ends.insert((now + job.run_ms, p, j));
+            started_any = true;
+        }
+        started_any
     }
-    let figures = WaitFigures::of(samples);
-    ReplayReport {
-        order: match order {
-            Order::Fair => "fair",
-            Order::Fcfs => "fcfs",
-        },
-        jobs: jobs.len(),
-        nodes: nodes.len(),
-        gpus: total_gpus,
-        utilization_while_waiting: if total_area > 0.0 {
-            busy_area / total_area
-        } else {
-            1.0
-        },
-        usable_utilization_while_waiting: if usable_area > 0.0 {
-            usable_busy_area / usable_area
-        } else {
-            1.0
-        },
-        mean_wait_s: figures.mean_wait_s,
-        p95_wait_s: figures.p95_wait_s,
-        mean_jct_s: figures.mean_jct_s,
-        jain_index: figures.jain_index,
-        unplaced,
+
+    /// The figures, once nothing is left to happen.
+    fn report(self, order: Order) -> ReplayReport {
+        let mut unplaced = 0;
+        let mut samples = Vec::with_capacity(self.jobs.len());
+        for (j, job) in self.jobs.iter().enumerate() {
+            let Some(s) = self.start[j] else {
+                unplaced += 1;
+                continue;
+            };
+            let wait = (s - job.submit_ms) as f64 / 1000.0;
+            let run = job.run_ms as f64 / 1000.0;
+            samples.push((job.user.as_str(), wait, run, wait + run));
+        }
+        let figures = WaitFigures::of(samples);
+        let ratio = |part: f64, whole: f64| if whole > 0.0 { part / whole } else { 1.0 };
+        ReplayReport {
+            order: match order {
+                Order::Fair => "fair",
+                Order::Fcfs => "fcfs",
+            },
+            jobs: self.jobs.len(),
+            nodes: self.nodes.len(),
+            gpus: self.total_gpus,
+            utilization_while_waiting: ratio(self.areas.busy, self.areas.total),
+            usable_utilization_while_waiting: ratio(self.areas.usable_busy, self.areas.usable),
+            mean_wait_s: figures.mean_wait_s,
+            p95_wait_s: figures.p95_wait_s,
+            mean_jct_s: figures.mean_jct_s,
+            jain_index: figures.jain_index,
+            unplaced,
+        }
     }
 }
 

@@ -19,6 +19,7 @@ pub mod gpu_use;
 pub mod outputs;
 pub mod provider;
 mod replicas;
+mod request_builder;
 pub mod requester;
 pub mod slots;
 pub mod table;

@@ -6,11 +6,10 @@
 use std::time::Duration;
 
 use gpunode_node::jobs::ContainerRequest;
-use gpunode_node::NodeConfig;
-use gpunode_protocol::advert::OfferFilter;
+use gpunode_node::{LeaseSpec, NodeConfig};
 use gpunode_protocol::job::JobOutcome;
 use testnet::jobs::{request, run_to_end, stdout_of};
-use testnet::{TestNet, TestNetConfig};
+use testnet::TestNet;
 
 const LONG: Duration = Duration::from_secs(60);
 
@@ -22,33 +21,32 @@ fn containers(i: usize, c: &mut NodeConfig) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn container_jobs_see_only_their_gpu_and_settle() {
-    let mut config = TestNetConfig::new(vec![Some("2xA100-80GB".into()); 2]);
-    config.tweak = Some(containers);
-    let net = TestNet::start(config).await.expect("start");
-    let mut client = net.client().await.expect("client");
-    TestNet::wait_for_offers(&client.handle, &OfferFilter::default(), LONG, |o| {
-        o.len() == 2
-    })
-    .await
-    .expect("offers");
+    let net = TestNet::gpu_providers(&["2xA100-80GB"; 2])
+        .tweak(containers)
+        .with_clients(1)
+        .clients_see_offers(LONG)
+        .start()
+        .await
+        .expect("start");
+    let client = net.client(0);
     let dir = tempfile::tempdir().expect("tempdir");
     let input = dir.path().join("in.txt");
     std::fs::write(&input, "data from the requester").expect("input");
 
     // --host-env on provider 0, one GPU.
-    let mut req = request("sh".into(), &dir.path().join("out1"));
-    req.container = Some(ContainerRequest {
-        image: None,
-        command: vec![
-            "sh".into(),
-            "-c".into(),
-            "echo \"gpus=$CUDA_VISIBLE_DEVICES\"; cat /input/in.txt; echo; echo done > /output/result.txt"
-                .into(),
-        ],
-    });
-    req.inputs = vec![input.clone()];
-    req.gpus = 1;
-    req.peer = Some(net.nodes[0].handle.peer_id().to_string());
+    let req = request("sh".into(), &dir.path().join("out1"))
+        .container(ContainerRequest {
+            image: None,
+            command: vec![
+                "sh".into(),
+                "-c".into(),
+                "echo \"gpus=$CUDA_VISIBLE_DEVICES\"; cat /input/in.txt; echo; echo done > /output/result.txt"
+                    .into(),
+            ],
+        })
+        .input(input.clone())
+        .gpus(1)
+        .peer(net.provider_id(0));
     let (events, end) = run_to_end(&client.handle, req, LONG).await.expect("run");
     let summary = end.expect("the host-env job succeeds");
     assert_eq!(summary.outcome, JobOutcome::Exited(0));
@@ -79,12 +77,12 @@ async fn container_jobs_see_only_their_gpu_and_settle() {
         ],
     )
     .expect("image");
-    let mut req = request(image.clone(), &dir.path().join("out2"));
-    req.container = Some(ContainerRequest {
-        image: Some(image),
-        command: Vec::new(),
-    });
-    req.peer = Some(net.nodes[1].handle.peer_id().to_string());
+    let req = request(image.clone(), &dir.path().join("out2"))
+        .container(ContainerRequest {
+            image: Some(image),
+            command: Vec::new(),
+        })
+        .peer(net.provider_id(1));
     let (events, end) = run_to_end(&client.handle, req, LONG).await.expect("run");
     let summary = end.expect("the image job succeeds");
     assert_eq!(summary.outcome, JobOutcome::Exited(0));
@@ -95,17 +93,16 @@ async fn container_jobs_see_only_their_gpu_and_settle() {
     );
 
     // Provider 1 does not lend its own system.
-    let mut req = request("sh".into(), &dir.path().join("out3"));
-    req.container = Some(ContainerRequest {
-        image: None,
-        command: vec!["true".into()],
-    });
-    req.peer = Some(net.nodes[1].handle.peer_id().to_string());
-    req.retries = 0;
+    let req = request("sh".into(), &dir.path().join("out3"))
+        .container(ContainerRequest {
+            image: None,
+            command: vec!["true".into()],
+        })
+        .peer(net.provider_id(1))
+        .retries(0);
     let (_, end) = run_to_end(&client.handle, req, LONG).await.expect("run");
     let error = end.expect_err("refused");
     assert!(error.contains("does not allow --host-env"), "{error}");
-    client.shutdown().await;
     net.shutdown().await;
 }
 
@@ -116,30 +113,29 @@ fn mig_provider(_: usize, c: &mut NodeConfig) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_mig_slice_is_leased_as_a_unit_of_its_own() {
-    let mut config = TestNetConfig::new(vec![Some("1xA100-80GB@3x2g.20gb".into())]);
-    config.tweak = Some(mig_provider);
-    let net = TestNet::start(config).await.expect("start");
-    let mut client = net.client().await.expect("client");
-    TestNet::wait_for_offers(&client.handle, &OfferFilter::default(), LONG, |o| {
-        o.len() == 1
-    })
-    .await
-    .expect("offers");
-    let provider = net.nodes[0].handle.peer_id().to_string();
+    let net = TestNet::gpu_providers(&["1xA100-80GB@3x2g.20gb"])
+        .tweak(mig_provider)
+        .with_clients(1)
+        .clients_see_offers(LONG)
+        .start()
+        .await
+        .expect("start");
+    let client = net.client(0);
+    let provider = net.provider_id(0);
     let dir = tempfile::tempdir().expect("tempdir");
 
-    let mut req = request("sh".into(), dir.path());
-    req.container = Some(ContainerRequest {
-        image: None,
-        command: vec![
-            "sh".into(),
-            "-c".into(),
-            "echo \"$CUDA_VISIBLE_DEVICES\"".into(),
-        ],
-    });
-    req.gpus = 1;
-    req.gpu_slice = Some("2g.20gb".into());
-    req.peer = Some(provider.clone());
+    let req = request("sh".into(), dir.path())
+        .container(ContainerRequest {
+            image: None,
+            command: vec![
+                "sh".into(),
+                "-c".into(),
+                "echo \"$CUDA_VISIBLE_DEVICES\"".into(),
+            ],
+        })
+        .gpus(1)
+        .gpu_slice("2g.20gb")
+        .peer(provider.clone());
     let (events, end) = run_to_end(&client.handle, req, LONG).await.expect("run");
     end.expect("the slice job runs");
     let seen = String::from_utf8(stdout_of(&events)).expect("utf-8");
@@ -149,8 +145,7 @@ async fn a_mig_slice_is_leased_as_a_unit_of_its_own() {
     );
 
     // A whole GPU is not there, and neither is another profile.
-    let mut spec = testnet::ledger::bare_lease(&provider, 60_000);
-    spec.gpus = 1;
+    let mut spec = LeaseSpec::new(1, 60_000).peer(&provider);
     let err = client
         .handle
         .request_lease(spec.clone())
@@ -178,6 +173,5 @@ async fn a_mig_slice_is_leased_as_a_unit_of_its_own() {
         .request_lease(spec)
         .await
         .expect_err("all three slices are leased");
-    client.shutdown().await;
     net.shutdown().await;
 }

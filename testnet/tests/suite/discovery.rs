@@ -29,9 +29,7 @@ fn ids(offers: &[gpunode_node::OfferView]) -> BTreeSet<String> {
 }
 
 fn peers_of(net: &TestNet, idx: &[usize]) -> BTreeSet<String> {
-    idx.iter()
-        .map(|i| net.nodes[*i].handle.peer_id().to_string())
-        .collect()
+    idx.iter().map(|i| net.provider_id(*i)).collect()
 }
 
 fn filter(model: Option<&str>, mem: Option<u64>, gpus: Option<u32>) -> OfferFilter {
@@ -46,10 +44,12 @@ fn filter(model: Option<&str>, mem: Option<u64>, gpus: Option<u32>) -> OfferFilt
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn queries_return_exactly_the_matching_providers() {
-    let net = TestNet::start(TestNetConfig::new(specs()))
+    let net = TestNet::configured(TestNetConfig::new(specs()))
+        .with_clients(1)
+        .start()
         .await
         .expect("start");
-    let client = net.client().await.expect("client");
+    let client = net.client(0);
     let t = Duration::from_secs(30);
     // Everyone, including the CPU-only node, once all adverts are in.
     let all =
@@ -106,24 +106,23 @@ async fn queries_return_exactly_the_matching_providers() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn crashed_node_disappears_once_its_advert_expires() {
-    let mut config = TestNetConfig::new(vec![
-        Some("1xA100-80GB".into()),
-        Some("1xA100-80GB".into()),
-        Some("1xA100-80GB".into()),
-    ]);
-    config.advert_ttl = Duration::from_secs(3);
-    let mut net = TestNet::start(config).await.expect("start");
-    let client = net.client().await.expect("client");
+    let mut net = TestNet::gpu_providers(&["1xA100-80GB"; 3])
+        .advert_ttl(Duration::from_secs(3))
+        .with_clients(1)
+        .start()
+        .await
+        .expect("start");
+    let client = net.client(0).handle.clone();
     let f = filter(Some("A100"), None, None);
     let t = Duration::from_secs(20);
-    TestNet::wait_for_offers(&client.handle, &f, t, |o| o.len() == 3)
+    TestNet::wait_for_offers(&client, &f, t, |o| o.len() == 3)
         .await
         .expect("all three");
-    let victim = net.nodes[2].handle.peer_id().to_string();
+    let victim = net.provider_id(2);
     net.nodes[2].crash();
     // Nothing was withdrawn, so the advert is still served until it expires; then it is gone
     // while the live nodes keep re-publishing theirs.
-    let after = TestNet::wait_for_offers(&client.handle, &f, t, |o| {
+    let after = TestNet::wait_for_offers(&client, &f, t, |o| {
         o.len() == 2 && !o.iter().any(|x| x.peer_id == victim)
     })
     .await
@@ -134,24 +133,21 @@ async fn crashed_node_disappears_once_its_advert_expires() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn graceful_shutdown_withdraws_the_advert_before_it_expires() {
-    let mut config = TestNetConfig::new(vec![
-        Some("1xT4-16GB".into()),
-        Some("1xT4-16GB".into()),
-        Some("1xT4-16GB".into()),
-    ]);
-    config.advert_ttl = Duration::from_secs(600);
-    let mut net = TestNet::start(config).await.expect("start");
-    let client = net.client().await.expect("client");
+    let mut net = TestNet::gpu_providers(&["1xT4-16GB"; 3])
+        .advert_ttl(Duration::from_secs(600))
+        .with_clients(1)
+        .start()
+        .await
+        .expect("start");
+    let client = net.client(0).handle.clone();
     let f = filter(Some("T4"), None, None);
-    TestNet::wait_for_offers(&client.handle, &f, Duration::from_secs(20), |o| {
-        o.len() == 3
-    })
-    .await
-    .expect("all three");
-    let leaving = net.nodes[1].handle.peer_id().to_string();
+    TestNet::wait_for_offers(&client, &f, Duration::from_secs(20), |o| o.len() == 3)
+        .await
+        .expect("all three");
+    let leaving = net.provider_id(1);
     net.nodes[1].shutdown().await;
     // The advert would live ten minutes; the withdrawal removes it right away.
-    let offers = client.handle.find_offers(f).await.expect("find");
+    let offers = client.find_offers(f).await.expect("find");
     assert_eq!(offers.len(), 2, "withdrawn node still listed: {offers:?}");
     assert!(!offers.iter().any(|o| o.peer_id == leaving));
     net.shutdown().await;
@@ -159,13 +155,12 @@ async fn graceful_shutdown_withdraws_the_advert_before_it_expires() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gpu_taken_by_its_owner_is_shown_busy() {
-    let net = TestNet::start(TestNetConfig::new(vec![
-        Some("2xA100-80GB".into()),
-        Some("1xT4-16GB".into()),
-    ]))
-    .await
-    .expect("start");
-    let client = net.client().await.expect("client");
+    let net = TestNet::gpu_providers(&["2xA100-80GB", "1xT4-16GB"])
+        .with_clients(1)
+        .start()
+        .await
+        .expect("start");
+    let client = net.client(0);
     let f = filter(Some("A100"), None, None);
     let before = TestNet::wait_for_offers(&client.handle, &f, Duration::from_secs(20), |o| {
         o.len() == 1
@@ -173,7 +168,7 @@ async fn gpu_taken_by_its_owner_is_shown_busy() {
     .await
     .expect("provider visible");
     assert!(before[0].gpus.iter().all(|g| g.state == GpuState::Idle));
-    net.nodes[0]
+    net.provider(0)
         .gpus
         .as_ref()
         .expect("simulated")
@@ -187,7 +182,7 @@ async fn gpu_taken_by_its_owner_is_shown_busy() {
     assert_eq!(after[0].gpus[0].state, GpuState::Idle);
     assert_eq!(after[0].gpus[1].state, GpuState::OwnerBusy);
     // The provider's own status shows the owner's process too.
-    let status = net.nodes[0].handle.status().await.expect("status");
+    let status = net.provider(0).handle.status().await.expect("status");
     assert_eq!(status.inventory.gpus[1].processes[0].pid, 4242);
     net.shutdown().await;
 }

@@ -11,7 +11,7 @@ use gpunode_protocol::time::now_ms;
 use libp2p::kad::{self, store::MemoryStore, Quorum, Record, RecordKey};
 use libp2p::swarm::{NetworkBehaviour, SwarmEvent};
 use libp2p::{identify, identity, noise, ping, tcp, yamux, Multiaddr, PeerId, StreamProtocol};
-use testnet::{TestNet, TestNetConfig, Transport};
+use testnet::{TestNet, Transport};
 
 #[derive(NetworkBehaviour)]
 struct Plain {
@@ -21,10 +21,12 @@ struct Plain {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn standard_libp2p_peer_gets_identify_and_ping_over_tcp() {
-    let mut config = TestNetConfig::new(vec![Some("1xT4-16GB".into())]);
-    config.transport = Transport::Tcp;
-    let net = TestNet::start(config).await.expect("start");
-    let target: Multiaddr = net.nodes[0].addr.parse().expect("addr");
+    let net = TestNet::gpu_providers(&["1xT4-16GB"])
+        .transport(Transport::Tcp)
+        .start()
+        .await
+        .expect("start");
+    let target: Multiaddr = net.provider(0).addr.parse().expect("addr");
     // A plain libp2p peer: TCP + noise + yamux, identify and ping, nothing of gpunode.
     let mut swarm = libp2p::SwarmBuilder::with_new_identity()
         .with_tokio()
@@ -101,14 +103,12 @@ fn forged_advert(claimed: PeerId, signer: &identity::Keypair) -> Vec<u8> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn forged_oversized_and_garbage_records_are_refused_and_counted() {
-    let net = TestNet::start(TestNetConfig::new(vec![
-        Some("1xA100-80GB".into()),
-        Some("1xT4-16GB".into()),
-    ]))
-    .await
-    .expect("start");
-    let victim = net.nodes[1].handle.peer_id();
-    let target = &net.nodes[0];
+    let mut net = TestNet::gpu_providers(&["1xA100-80GB", "1xT4-16GB"])
+        .start()
+        .await
+        .expect("start");
+    let victim = net.provider(1).handle.peer_id();
+    let target = net.provider(0);
     let target_addr: Multiaddr = target.addr.parse().expect("addr");
 
     let key = identity::Keypair::generate_ed25519();
@@ -183,7 +183,7 @@ async fn forged_oversized_and_garbage_records_are_refused_and_counted() {
         "{text}"
     );
     // The node still serves, and the victim's real advert is what clients see.
-    let client = net.client().await.expect("client");
+    let client = net.add_client().await.expect("client");
     let offers = TestNet::wait_for_offers(
         &client.handle,
         &OfferFilter::default(),
@@ -209,24 +209,12 @@ mod attacks {
     use std::time::Duration;
 
     use gpunode_node::ledger::settle::Misbehaviour;
+    use gpunode_node::LeaseSpec;
     use gpunode_node::{LeaseError, NodeConfig};
     use testnet::jobs::{request, run_to_end, task};
-    use testnet::ledger::bare_lease;
-    use testnet::{TestNet, TestNetConfig};
+    use testnet::TestNet;
 
     const LONG: Duration = Duration::from_secs(120);
-
-    /// Waits until `client` sees `n` providers' offers.
-    async fn offers(client: &testnet::TestNode, n: usize) {
-        TestNet::wait_for_offers(
-            &client.handle,
-            &gpunode_protocol::advert::OfferFilter::default(),
-            LONG,
-            |o| o.len() == n,
-        )
-        .await
-        .expect("offers");
-    }
 
     async fn eventually(what: &str, mut f: impl FnMut() -> bool) {
         let deadline = tokio::time::Instant::now() + LONG;
@@ -238,17 +226,19 @@ mod attacks {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_flood_of_idle_job_streams_does_not_stop_an_honest_job() {
-        let net = TestNet::start(TestNetConfig::new(vec![None]))
+        let mut net = TestNet::providers(1)
+            .with_clients(1)
+            .start()
             .await
             .expect("start");
-        let provider = net.nodes[0].handle.clone();
-        let mut attacker = net.client().await.expect("attacker");
+        let provider = net.provider(0).handle.clone();
+        let attacker = net.client(0).handle.clone();
         // Open job streams and never say anything on them.
         let mut held = Vec::new();
         for _ in 0..400 {
             match tokio::time::timeout(
                 Duration::from_secs(2),
-                attacker.handle.open_job_stream(provider.peer_id()),
+                attacker.open_job_stream(provider.peer_id()),
             )
             .await
             {
@@ -262,13 +252,13 @@ mod attacks {
             held.len()
         );
         // An honest requester beside it still gets its job done.
-        let mut client = net.client().await.expect("client");
+        let client = net.add_client().await.expect("client").handle.clone();
         let input = tempfile::tempdir().expect("tmp");
         std::fs::write(input.path().join("data.bin"), b"honest bytes").expect("write");
         let out = tempfile::tempdir().expect("tmp");
-        let mut req = request(task("copy.wat"), &out.path().join("out"));
-        req.inputs = vec![input.path().join("data.bin")];
-        let (_, end) = run_to_end(&client.handle, req, LONG).await.expect("run");
+        let req =
+            request(task("copy.wat"), &out.path().join("out")).input(input.path().join("data.bin"));
+        let (_, end) = run_to_end(&client, req, LONG).await.expect("run");
         let summary = end.expect("the honest job runs during the flood");
         assert_eq!(
             std::fs::read(summary.output_dir.join("copy.bin")).expect("output"),
@@ -284,8 +274,6 @@ mod attacks {
         })
         .await;
         drop(held);
-        client.shutdown().await;
-        attacker.shutdown().await;
         net.shutdown().await;
     }
 
@@ -301,19 +289,22 @@ mod attacks {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_provider_naming_outputs_outside_the_job_writes_nothing_there() {
-        let mut config = TestNetConfig::new(vec![None, None]);
-        config.misbehaviour = Some(evil_first);
-        let net = TestNet::start(config).await.expect("start");
-        let evil = net.nodes[0].handle.peer_id().to_string();
-        let mut client = net.client().await.expect("client");
-        offers(&client, 2).await;
+        let net = TestNet::providers(2)
+            .misbehaviour(evil_first)
+            .with_clients(1)
+            .clients_see_offers(LONG)
+            .start()
+            .await
+            .expect("start");
+        let evil = net.provider_id(0);
+        let client = net.client(0);
         let input = tempfile::tempdir().expect("tmp");
         std::fs::write(input.path().join("data.bin"), b"the bytes").expect("write");
         let work = tempfile::tempdir().expect("tmp");
-        let mut req = request(task("copy.wat"), &work.path().join("out"));
-        req.inputs = vec![input.path().join("data.bin")];
-        req.peer = Some(evil);
-        req.retries = 0;
+        let mut req = request(task("copy.wat"), &work.path().join("out"))
+            .input(input.path().join("data.bin"))
+            .peer(evil)
+            .retries(0);
         let (_, end) = run_to_end(&client.handle, req.clone(), LONG)
             .await
             .expect("run");
@@ -332,21 +323,22 @@ mod attacks {
             std::fs::read(summary.output_dir.join("copy.bin")).expect("output"),
             b"the bytes"
         );
-        client.shutdown().await;
         net.shutdown().await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn holding_a_gpu_without_running_anything_is_billed() {
         // A credit a second, so that two seconds show in whole millicredits.
-        let mut config = TestNetConfig::new(vec![Some("1xT4-16GB".into())]);
-        config.tweak = Some(|_, c: &mut NodeConfig| c.price_per_gpu_hour = 3600.0);
-        let net = TestNet::start(config).await.expect("start");
-        let provider = net.nodes[0].handle.peer_id().to_string();
-        let mut client = net.client().await.expect("client");
+        let net = TestNet::gpu_providers(&["1xT4-16GB"])
+            .tweak(|_, c: &mut NodeConfig| c.price_per_gpu_hour = 3600.0)
+            .with_clients(1)
+            .start()
+            .await
+            .expect("start");
+        let provider = net.provider_id(0);
+        let client = net.client(0);
         // A hoarder leases the GPU, runs nothing, and lets go after two seconds.
-        let mut spec = bare_lease(&provider, 60_000);
-        spec.gpus = 1;
+        let spec = LeaseSpec::new(1, 60_000).peer(&provider);
         let lease = client.handle.request_lease(spec).await.expect("lease");
         tokio::time::sleep(Duration::from_secs(2)).await;
         client
@@ -355,7 +347,7 @@ mod attacks {
             .await
             .expect("cancel");
         // Both sides settle a receipt for the time it held the GPU, not zero.
-        let ledger = &net.nodes[0].handle.accounts().ledger;
+        let ledger = &net.provider(0).handle.accounts().ledger;
         let mut entry = None;
         eventually("the receipt settles", || {
             entry = ledger.recent(1).expect("ledger").into_iter().next();
@@ -369,29 +361,29 @@ mod attacks {
             "{entry:?}"
         );
         assert!(entry.amount >= 2.0, "holding is not free: {entry:?}");
-        client.shutdown().await;
         net.shutdown().await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn outputs_larger_than_the_requester_accepts_are_refused_before_a_byte() {
-        let net = TestNet::start(TestNetConfig::new(vec![None]))
+        let net = TestNet::providers(1)
+            .with_clients(1)
+            .clients_see_offers(LONG)
+            .start()
             .await
             .expect("start");
-        let mut client = net.client().await.expect("client");
-        offers(&client, 1).await;
+        let client = net.client(0);
         let input = tempfile::tempdir().expect("tmp");
         std::fs::write(input.path().join("data.bin"), vec![7u8; 4096]).expect("write");
         let work = tempfile::tempdir().expect("tmp");
-        let mut req = request(task("copy.wat"), &work.path().join("out"));
-        req.inputs = vec![input.path().join("data.bin")];
-        req.retries = 0;
-        req.max_output_bytes = Some(1000);
+        let req = request(task("copy.wat"), &work.path().join("out"))
+            .input(input.path().join("data.bin"))
+            .retries(0)
+            .max_output_bytes(1000);
         let (_, end) = run_to_end(&client.handle, req, LONG).await.expect("run");
         let err = end.expect_err("4096 bytes of outputs, 1000 accepted");
         assert!(err.contains("--max-output"), "{err}");
         assert_eq!(std::fs::read_dir(work.path()).expect("dir").count(), 0);
-        client.shutdown().await;
         net.shutdown().await;
     }
 
@@ -400,11 +392,13 @@ mod attacks {
         use gpunode_protocol::lease::{
             LeaseMessage, LeaseReply, LeaseRequest, RejectCode, Requirements, LEASE_VERSION,
         };
-        let net = TestNet::start(TestNetConfig::new(vec![Some("1xT4-16GB".into())]))
+        let net = TestNet::gpu_providers(&["1xT4-16GB"])
+            .with_clients(1)
+            .start()
             .await
             .expect("start");
-        let provider = net.nodes[0].handle.peer_id();
-        let mut client = net.client().await.expect("client");
+        let provider = net.provider(0).handle.peer_id();
+        let client = net.client(0);
         let key = client
             .data_dir()
             .load_or_create_identity()
@@ -443,16 +437,14 @@ mod attacks {
             other => panic!("expected a refusal, got {other:?}"),
         }
         // The provider still serves an honest lease at once.
-        let mut spec = bare_lease(&provider.to_string(), 60_000);
-        spec.gpus = 1;
         client
             .handle
-            .request_lease(spec)
+            .request_lease(LeaseSpec::new(1, 60_000).peer(provider.to_string()))
             .await
             .expect("honest lease");
         // What peers fill is visible against its bound: the honest lease's record and
         // nonce, nothing of the refused request.
-        let metrics = net.nodes[0].handle.metrics().clone();
+        let metrics = net.provider(0).handle.metrics().clone();
         let gauge = |name: &str| -> Option<i64> {
             let text = metrics.encode();
             let key = format!("gpunode_peer_state{{structure=\"{name}\"}} ");
@@ -464,7 +456,6 @@ mod attacks {
             gauge("lease_records") == Some(1) && gauge("spent_nonces") == Some(1)
         })
         .await;
-        client.shutdown().await;
         net.shutdown().await;
     }
 
@@ -477,16 +468,15 @@ mod attacks {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_provider_reusing_a_lease_id_cannot_overwrite_a_record() {
-        let mut config = TestNetConfig::new(vec![Some("1xT4-16GB".into()); 2]);
-        config.misbehaviour = Some(same_lease_id);
-        let net = TestNet::start(config).await.expect("start");
-        let (first, second) = (
-            net.nodes[0].handle.peer_id().to_string(),
-            net.nodes[1].handle.peer_id().to_string(),
-        );
-        let mut client = net.client().await.expect("client");
-        let mut spec = bare_lease(&first, 60_000);
-        spec.gpus = 1;
+        let net = TestNet::gpu_providers(&["1xT4-16GB"; 2])
+            .misbehaviour(same_lease_id)
+            .with_clients(1)
+            .start()
+            .await
+            .expect("start");
+        let (first, second) = (net.provider_id(0), net.provider_id(1));
+        let client = net.client(0);
+        let mut spec = LeaseSpec::new(1, 60_000).peer(&first);
         let lease = client
             .handle
             .request_lease(spec.clone())
@@ -504,7 +494,6 @@ mod attacks {
         let kept = client.handle.list_leases().await.expect("leases");
         assert_eq!(kept.len(), 1);
         assert_eq!(kept[0].provider, first);
-        client.shutdown().await;
         net.shutdown().await;
     }
 
@@ -513,11 +502,9 @@ mod attacks {
         use futures::StreamExt;
         use libp2p::swarm::dial_opts::{DialOpts, PeerCondition};
         use libp2p::swarm::SwarmEvent;
-        let net = TestNet::start(TestNetConfig::new(vec![None]))
-            .await
-            .expect("start");
-        let provider = net.nodes[0].handle.peer_id();
-        let addr: libp2p::Multiaddr = net.nodes[0].addr.parse().expect("addr");
+        let mut net = TestNet::providers(1).start().await.expect("start");
+        let provider = net.provider(0).handle.peer_id();
+        let addr: libp2p::Multiaddr = net.provider(0).addr.parse().expect("addr");
         // One identity dials the provider fifty times and keeps every connection.
         let mut swarm = libp2p::SwarmBuilder::with_new_identity()
             .with_tokio()
@@ -552,19 +539,16 @@ mod attacks {
         }
         assert_eq!(answered, 50, "every dial was answered");
         // The provider kept at most its per-peer limit (8) of them.
-        let status = net.nodes[0].handle.status().await.expect("status");
+        let status = net.provider(0).handle.status().await.expect("status");
         assert!(up <= 8, "{up} connections stayed up");
         // And an honest requester is served meanwhile.
-        let mut client = net.client().await.expect("client");
-        let mut spec = bare_lease(&provider.to_string(), 60_000);
-        spec.gpus = 0;
+        let client = net.add_client().await.expect("client");
         client
             .handle
-            .request_lease(spec)
+            .request_lease(LeaseSpec::new(0, 60_000).peer(provider.to_string()))
             .await
             .expect("honest lease");
         assert!(status.connected_peers.len() <= 8);
-        client.shutdown().await;
         net.shutdown().await;
     }
 
@@ -584,18 +568,18 @@ mod attacks {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_offer_above_the_advertised_price_is_refused() {
-        let mut config = TestNetConfig::new(vec![Some("1xT4-16GB".into()); 2]);
-        config.misbehaviour = Some(overcharge_first);
-        config.tweak = Some(cheapest_first);
-        let net = TestNet::start(config).await.expect("start");
-        let liar = net.nodes[0].handle.peer_id().to_string();
-        let honest = net.nodes[1].handle.peer_id().to_string();
-        let mut client = net.client().await.expect("client");
-        offers(&client, 2).await;
+        let net = TestNet::gpu_providers(&["1xT4-16GB"; 2])
+            .misbehaviour(overcharge_first)
+            .tweak(cheapest_first)
+            .with_clients(1)
+            .clients_see_offers(LONG)
+            .start()
+            .await
+            .expect("start");
+        let (liar, honest) = (net.provider_id(0), net.provider_id(1));
+        let client = net.client(0);
         // No --max-price: the advertised price is the most a lease may cost.
-        let mut spec = bare_lease(&liar, 60_000);
-        spec.gpus = 1;
-        spec.max_price = None;
+        let mut spec = LeaseSpec::new(1, 60_000).peer(&liar);
         let err = client
             .handle
             .request_lease(spec.clone())
@@ -612,7 +596,6 @@ mod attacks {
         let lease = client.handle.request_lease(spec).await.expect("a lease");
         assert_eq!(lease.provider, honest);
         assert_eq!(lease.price_per_gpu_hour, 1.0);
-        client.shutdown().await;
         net.shutdown().await;
     }
 }

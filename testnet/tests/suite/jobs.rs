@@ -15,7 +15,7 @@ use gpunode_protocol::job::{
 };
 use gpunode_protocol::lease::LeaseId;
 use testnet::jobs::{outcome, request, run_to_end, stdout_of, task, until_end, until_started};
-use testnet::{TestNet, TestNetConfig};
+use testnet::TestNet;
 
 const LONG: Duration = Duration::from_secs(60);
 
@@ -24,10 +24,16 @@ fn cheap_first(i: usize, c: &mut NodeConfig) {
     c.max_job_bytes = 64 << 20;
 }
 
-async fn network(providers: usize) -> TestNet {
-    let mut config = TestNetConfig::new(vec![None; providers]);
-    config.tweak = Some(cheap_first);
-    TestNet::start(config).await.expect("start")
+/// `providers` providers without GPUs, the first the cheapest, and `clients` clients
+/// that already see every provider's offer.
+async fn network(providers: usize, clients: usize) -> TestNet {
+    TestNet::providers(providers)
+        .tweak(cheap_first)
+        .with_clients(clients)
+        .clients_see_offers(LONG)
+        .start()
+        .await
+        .expect("start")
 }
 
 /// Submits `spin.wat forever` and waits until it runs; returns the job and the event
@@ -36,29 +42,13 @@ async fn start_spinning_forever(
     client: &testnet::TestNode,
     dir: &std::path::Path,
 ) -> (gpunode_node::jobs::JobView, usize) {
-    let mut req = request(task("spin.wat"), dir);
-    req.args = vec!["forever".into()];
+    let req = request(task("spin.wat"), dir).args(["forever"]);
     let view = client.handle.submit_job(req);
     let mut from = 0;
     until_started(&client.handle, &view.job_id, &mut from)
         .await
         .expect("the job starts");
     (view, from)
-}
-
-/// A client that already sees every provider's offer.
-async fn client_of(net: &TestNet) -> testnet::TestNode {
-    let client = net.client().await.expect("client");
-    let n = net.nodes.len();
-    TestNet::wait_for_offers(
-        &client.handle,
-        &gpunode_protocol::advert::OfferFilter::default(),
-        LONG,
-        |o| o.len() == n,
-    )
-    .await
-    .expect("offers visible");
-    client
 }
 
 fn pseudo_random(len: usize) -> Vec<u8> {
@@ -75,13 +65,13 @@ fn pseudo_random(len: usize) -> Vec<u8> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn outputs_come_back_byte_for_byte_and_nothing_is_sent_twice() {
-    let net = network(2).await;
-    let client = client_of(&net).await;
+    let net = network(2, 1).await;
+    let client = net.client(0);
     let dir = tempfile::tempdir().unwrap();
     let data = pseudo_random(3 * 1024 * 1024 + 12345);
     std::fs::write(dir.path().join("data.bin"), &data).unwrap();
-    let mut req = request(task("copy.wat"), &dir.path().join("out1"));
-    req.inputs = vec![dir.path().join("data.bin")];
+    let mut req =
+        request(task("copy.wat"), &dir.path().join("out1")).input(dir.path().join("data.bin"));
 
     let (events, end) = run_to_end(&client.handle, req.clone(), LONG).await.unwrap();
     let summary = end.expect("job finished");
@@ -139,14 +129,12 @@ async fn outputs_come_back_byte_for_byte_and_nothing_is_sent_twice() {
 /// shuts down would). `tests/tests/run.rs` kills a real provider process with SIGKILL.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_provider_that_dies_mid_task_is_replaced() {
-    let mut net = network(3).await;
-    let client = client_of(&net).await;
+    let mut net = network(3, 1).await;
     let dir = tempfile::tempdir().unwrap();
-    let view = client
-        .handle
-        .submit_job(request(task("spin.wat"), dir.path()));
+    let client = net.client(0).handle.clone();
+    let view = client.submit_job(request(task("spin.wat"), dir.path()));
     let mut from = 0;
-    let first = until_started(&client.handle, &view.job_id, &mut from)
+    let first = until_started(&client, &view.job_id, &mut from)
         .await
         .unwrap();
     let Some(JobEvent::Started { provider }) = first.last() else {
@@ -158,9 +146,7 @@ async fn a_provider_that_dies_mid_task_is_replaced() {
         .find(|n| n.handle.peer_id().to_string() == *provider)
         .expect("provider is ours");
     victim.crash();
-    let rest = until_end(&client.handle, &view.job_id, &mut from)
-        .await
-        .unwrap();
+    let rest = until_end(&client, &view.job_id, &mut from).await.unwrap();
     let summary = outcome(&rest).expect("ended").expect("finished elsewhere");
     assert_ne!(&summary.provider, provider);
     assert_eq!(summary.attempts, 2);
@@ -179,11 +165,11 @@ async fn a_provider_that_dies_mid_task_is_replaced() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_job_stops_when_its_lease_ends() {
-    let net = network(1).await;
-    let client = client_of(&net).await;
+    let net = network(1, 1).await;
+    let client = net.client(0);
     let dir = tempfile::tempdir().unwrap();
-    let (view, mut from) = start_spinning_forever(&client, dir.path()).await;
-    let provider = &net.nodes[0];
+    let (view, mut from) = start_spinning_forever(client, dir.path()).await;
+    let provider = net.provider(0);
     assert_eq!(provider.handle.metrics().jobs_running.get(), 1);
     let lease = client
         .handle
@@ -216,7 +202,7 @@ async fn the_job_stops_when_its_lease_ends() {
     assert_eq!(left, 0, "job directory cleaned up");
 
     // A user's cancel works the same way.
-    let (view, mut from) = start_spinning_forever(&client, dir.path()).await;
+    let (view, mut from) = start_spinning_forever(client, dir.path()).await;
     client.handle.cancel_job(&view.job_id[..6]).unwrap();
     let rest = until_end(&client.handle, &view.job_id, &mut from)
         .await
@@ -234,8 +220,8 @@ async fn the_job_stops_when_its_lease_ends() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_invalid_module_costs_no_lease() {
-    let net = network(1).await;
-    let client = client_of(&net).await;
+    let net = network(1, 1).await;
+    let client = net.client(0);
     let dir = tempfile::tempdir().unwrap();
     let cases: [(&str, &[u8], &str); 3] = [
         ("garbage.wasm", b"\0asm garbage", "not a runnable task"),
@@ -261,8 +247,7 @@ async fn an_invalid_module_costs_no_lease() {
         .unwrap();
     assert!(end.unwrap_err().contains("cannot read task file"));
     // A description too large for one message is refused before any lease, too.
-    let mut huge = request(task("spin.wat"), dir.path());
-    huge.args = vec!["x".repeat(300_000)];
+    let huge = request(task("spin.wat"), dir.path()).args(["x".repeat(300_000)]);
     let (_, end) = run_to_end(&client.handle, huge, LONG).await.unwrap();
     assert!(end.unwrap_err().contains("pack the inputs"));
     assert!(client.handle.list_leases().await.unwrap().is_empty());
@@ -297,28 +282,17 @@ fn frame(msg: &RequesterMsg) -> Vec<u8> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hostile_job_requests_are_refused_and_the_provider_keeps_serving() {
-    let net = network(1).await;
-    let alice = client_of(&net).await;
-    let mallory = client_of(&net).await;
-    let provider = net.nodes[0].handle.peer_id();
+    let net = network(1, 2).await;
+    let (alice, mallory) = (net.client(0), net.client(1));
+    let provider = net.provider(0).handle.peer_id();
     let lease = alice
         .handle
-        .request_lease(LeaseSpec {
-            peer: Some(provider.to_string()),
-            gpus: 0,
-            gpu_model: None,
-            gpu_slice: None,
-            min_gpu_mem_bytes: None,
-            cpus: 1,
-            mem_bytes: 1 << 20,
-            backend: "wasm".into(),
-            duration_ms: 600_000,
-            max_price: None,
-            exclude: Vec::new(),
-            kind: Default::default(),
-            ticket: None,
-            start_at_ms: None,
-        })
+        .request_lease(
+            LeaseSpec::new(0, 600_000)
+                .peer(provider.to_string())
+                .cpus(1)
+                .mem_bytes(1 << 20),
+        )
         .await
         .expect("lease");
     let lease_id: LeaseId = lease.lease_id.parse().unwrap();
@@ -412,7 +386,7 @@ async fn hostile_job_requests_are_refused_and_the_provider_keeps_serving() {
             other => panic!("{name}: expected a refusal, got {other:?}"),
         }
     }
-    let metrics = net.nodes[0].handle.metrics();
+    let metrics = net.provider(0).handle.metrics();
     assert_eq!(metrics.job_rejected_count("bad_request"), 4);
     assert_eq!(metrics.job_rejected_count("unknown_lease"), 1);
     assert_eq!(metrics.job_rejected_count("not_your_lease"), 1);

@@ -16,25 +16,14 @@ use gpunode_protocol::time::now_ms;
 use libp2p::request_response::{self, Codec, ProtocolSupport};
 use libp2p::swarm::SwarmEvent;
 use libp2p::{identity, Multiaddr, PeerId, StreamProtocol};
-use testnet::{TestNet, TestNetConfig};
+use testnet::TestNet;
 
-fn spec(peer: Option<String>) -> LeaseSpec {
-    LeaseSpec {
-        peer,
-        gpus: 1,
-        gpu_model: Some("A100".into()),
-        gpu_slice: None,
-        min_gpu_mem_bytes: None,
-        cpus: 1,
-        mem_bytes: 1 << 30,
-        backend: "wasm".into(),
-        duration_ms: 600_000,
-        max_price: None,
-        exclude: Vec::new(),
-        kind: Default::default(),
-        ticket: None,
-        start_at_ms: None,
-    }
+/// One A100, a CPU and 1 GiB for ten minutes, from any provider.
+fn spec() -> LeaseSpec {
+    LeaseSpec::new(1, 600_000)
+        .gpu_model("A100")
+        .cpus(1)
+        .mem_bytes(1 << 30)
 }
 
 fn cheap_first(i: usize, c: &mut NodeConfig) {
@@ -43,14 +32,13 @@ fn cheap_first(i: usize, c: &mut NodeConfig) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_requesters_race_for_the_last_gpu() {
-    let mut config =
-        TestNetConfig::new(vec![Some("1xA100-80GB".into()), Some("1xA100-40GB".into())]);
-    config.tweak = Some(cheap_first);
-    let net = TestNet::start(config).await.expect("start");
-    let (alice, bob) = (
-        net.client().await.expect("client"),
-        net.client().await.expect("client"),
-    );
+    let net = TestNet::gpu_providers(&["1xA100-80GB", "1xA100-40GB"])
+        .tweak(cheap_first)
+        .with_clients(2)
+        .start()
+        .await
+        .expect("start");
+    let (alice, bob) = (net.client(0), net.client(1));
     let a100 = OfferFilter {
         gpu_model: Some("A100".into()),
         gpu_slice: None,
@@ -66,15 +54,15 @@ async fn two_requesters_race_for_the_last_gpu() {
     })
     .await
     .expect("both providers visible");
-    let cheap = net.nodes[0].handle.peer_id().to_string();
+    let cheap = net.provider_id(0);
     // Both ask the cheap provider for its only GPU at the same moment.
     let (ra, rb) = tokio::join!(
-        alice.handle.request_lease(spec(Some(cheap.clone()))),
-        bob.handle.request_lease(spec(Some(cheap.clone())))
+        alice.handle.request_lease(spec().peer(cheap.clone())),
+        bob.handle.request_lease(spec().peer(cheap.clone()))
     );
     let (winner, loser, refusal) = match (ra, rb) {
-        (Ok(l), Err(e)) => (l, &bob, e),
-        (Err(e), Ok(l)) => (l, &alice, e),
+        (Ok(l), Err(e)) => (l, bob, e),
+        (Err(e), Ok(l)) => (l, alice, e),
         other => panic!("exactly one must win: {other:?}"),
     };
     assert_eq!(winner.provider, cheap);
@@ -96,12 +84,12 @@ async fn two_requesters_race_for_the_last_gpu() {
     // The loser asks the network at large and gets the other provider.
     let second = loser
         .handle
-        .request_lease(spec(None))
+        .request_lease(spec())
         .await
         .expect("second provider");
-    assert_eq!(second.provider, net.nodes[1].handle.peer_id().to_string());
+    assert_eq!(second.provider, net.provider_id(1));
     // The cheap provider lent exactly one GPU, and both sides agree on the lease.
-    let provider_view = net.nodes[0].handle.list_leases().await.expect("list");
+    let provider_view = net.provider(0).handle.list_leases().await.expect("list");
     let active: Vec<_> = provider_view
         .iter()
         .filter(|l| l.state == LeaseState::Active)
@@ -110,7 +98,7 @@ async fn two_requesters_race_for_the_last_gpu() {
     assert_eq!(active[0].lease_id, winner.lease_id);
     assert_eq!(active[0].role, LeaseRole::Provider);
     assert!(
-        net.nodes[0]
+        net.provider(0)
             .handle
             .metrics()
             .lease_rejected_count("no_capacity")
@@ -211,10 +199,11 @@ fn rejected(reply: LeaseReply) -> RejectCode {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hostile_lease_messages_are_rejected_with_reasons_and_reserve_nothing() {
-    let net = TestNet::start(TestNetConfig::new(vec![Some("1xA100-80GB".into())]))
+    let net = TestNet::gpu_providers(&["1xA100-80GB"])
+        .start()
         .await
         .expect("start");
-    let provider = &net.nodes[0];
+    let provider = net.provider(0);
     let addr: Multiaddr = provider.addr.parse().expect("addr");
     let peer = provider.handle.peer_id();
     let key = identity::Keypair::generate_ed25519();
@@ -374,22 +363,22 @@ async fn hostile_lease_messages_are_rejected_with_reasons_and_reserve_nothing() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn provider_restart_keeps_leases_and_their_gpus() {
-    let config = TestNetConfig::new(vec![Some("1xA100-80GB".into()), Some("2xT4-16GB".into())]);
-    let mut net = TestNet::start(config).await.expect("start");
-    let client = net.client().await.expect("client");
+    let mut net = TestNet::gpu_providers(&["1xA100-80GB", "2xT4-16GB"])
+        .with_clients(1)
+        .start()
+        .await
+        .expect("start");
+    let client = net.client(0).handle.clone();
     let t4 = OfferFilter {
         gpu_model: Some("T4".into()),
         gpu_slice: None,
         ..OfferFilter::default()
     };
-    TestNet::wait_for_offers(&client.handle, &t4, Duration::from_secs(20), |o| {
-        o.len() == 1
-    })
-    .await
-    .expect("provider visible");
-    let mut s = spec(None);
-    s.gpu_model = Some("T4".into());
-    let lease = client.handle.request_lease(s.clone()).await.expect("lease");
+    TestNet::wait_for_offers(&client, &t4, Duration::from_secs(20), |o| o.len() == 1)
+        .await
+        .expect("provider visible");
+    let mut s = spec().gpu_model("T4");
+    let lease = client.request_lease(s.clone()).await.expect("lease");
     // Restart the provider on the same data dir.
     let provider = net.nodes.remove(1);
     let cfg = net.config().clone();
@@ -408,7 +397,7 @@ async fn provider_restart_keeps_leases_and_their_gpus() {
         .addr
         .trim_end_matches(&format!("/p2p/{}", restarted.handle.peer_id()))
         .to_string();
-    TestNet::wait_for_offers(&client.handle, &t4, Duration::from_secs(30), |o| {
+    TestNet::wait_for_offers(&client, &t4, Duration::from_secs(30), |o| {
         o.len() == 1 && o[0].listen_addrs.contains(&new_addr)
     })
     .await
@@ -422,13 +411,13 @@ async fn provider_restart_keeps_leases_and_their_gpus() {
     let mut two = s.clone();
     two.gpus = 2;
     two.peer = Some(restarted.handle.peer_id().to_string());
-    match client.handle.request_lease(two).await {
+    match client.request_lease(two).await {
         Err(LeaseError::AllRefused(list)) => {
             assert!(list[0].1.contains("needs 2 x T4"), "{list:?}")
         }
         other => panic!("expected a capacity refusal, got {other:?}"),
     }
     s.peer = Some(restarted.handle.peer_id().to_string());
-    client.handle.request_lease(s).await.expect("the second T4");
+    client.request_lease(s).await.expect("the second T4");
     net.shutdown().await;
 }

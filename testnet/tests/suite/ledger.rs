@@ -19,7 +19,7 @@ use gpunode_protocol::receipt::{
 use gpunode_protocol::time::now_ms;
 use testnet::jobs::{request, run_to_end, task};
 use testnet::ledger::{bare_lease, settled_leases};
-use testnet::{TestNet, TestNetConfig};
+use testnet::TestNet;
 
 const LONG: Duration = Duration::from_secs(120);
 
@@ -92,22 +92,17 @@ async fn books_agree(client: &NodeHandle, providers: &[&NodeHandle]) -> usize {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cheats_are_caught_and_ranked_down_while_honest_providers_get_the_work() {
-    let mut config = TestNetConfig::new(vec![None; 4]);
-    config.tweak = Some(prices);
-    config.misbehaviour = Some(cheats);
-    let net = TestNet::start(config).await.expect("start");
-    let client = net.client().await.expect("client");
-    TestNet::wait_for_offers(
-        &client.handle,
-        &gpunode_protocol::advert::OfferFilter::default(),
-        LONG,
-        |o| o.len() == 4,
-    )
-    .await
-    .expect("offers");
-    let id = |i: usize| net.nodes[i].handle.peer_id().to_string();
-    let (liar, corrupter) = (id(1), id(2));
-    let honest = [id(0), id(3)];
+    let net = TestNet::providers(4)
+        .tweak(prices)
+        .misbehaviour(cheats)
+        .with_clients(1)
+        .clients_see_offers(LONG)
+        .start()
+        .await
+        .expect("start");
+    let client = net.client(0);
+    let (liar, corrupter) = (net.provider_id(1), net.provider_id(2));
+    let honest = [net.provider_id(0), net.provider_id(3)];
 
     let input = tempfile::tempdir().expect("tempdir");
     std::fs::write(
@@ -117,9 +112,9 @@ async fn cheats_are_caught_and_ranked_down_while_honest_providers_get_the_work()
     .expect("write");
     let run = |replicas: u32| {
         let out = tempfile::tempdir().expect("tempdir");
-        let mut req = request(task("copy.wat"), out.path());
-        req.inputs = vec![input.path().join("data.bin")];
-        req.replicas = replicas;
+        let req = request(task("copy.wat"), out.path())
+            .input(input.path().join("data.bin"))
+            .replicas(replicas);
         (req, out)
     };
 
@@ -186,7 +181,7 @@ async fn cheats_are_caught_and_ranked_down_while_honest_providers_get_the_work()
     assert_eq!(view(&corrupter).mismatches, 1);
 
     // The liar keeps its claim, disputed, and thinks less of the client.
-    let liar_node = &net.nodes[1].handle;
+    let liar_node = &net.provider(1).handle;
     let claim = until("the liar learns its claim was refused", || {
         liar_node
             .accounts()
@@ -252,18 +247,19 @@ async fn exchange(stream: libp2p::Stream, msg: &SettleMsg) -> SettleReply {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hostile_receipts_are_refused_with_a_reason_and_change_nothing() {
-    let net = TestNet::start(TestNetConfig::new(vec![None]))
+    let net = TestNet::providers(1)
+        .with_clients(1)
+        .start()
         .await
         .expect("start");
-    let provider = &net.nodes[0];
+    let provider = net.provider(0);
     let key = provider
         .data_dir()
         .load_identity()
         .expect("identity")
         .expect("exists");
-    let client = net.client().await.expect("client");
-    let c = &client.handle;
-    let spec = bare_lease(&provider.handle.peer_id().to_string(), 60_000);
+    let c = &net.client(0).handle;
+    let spec = bare_lease(&net.provider_id(0), 60_000);
     let first = c.request_lease(spec.clone()).await.expect("lease 1");
     let second = c.request_lease(spec).await.expect("lease 2");
     let first_id: LeaseId = first.lease_id.parse().expect("id");
@@ -427,11 +423,14 @@ async fn the_debt_limit_refuses_with_a_reason() {
         c.allowance = 0.5;
         c.debt_limit = 0.0;
     }
-    let mut config = TestNetConfig::new(vec![None]);
-    config.tweak = Some(small_allowance);
-    let net = TestNet::start(config).await.expect("start");
-    let client = net.client().await.expect("client");
-    let provider = net.nodes[0].handle.peer_id().to_string();
+    let net = TestNet::providers(1)
+        .tweak(small_allowance)
+        .with_clients(1)
+        .start()
+        .await
+        .expect("start");
+    let client = net.client(0);
+    let provider = net.provider_id(0);
     // An hour at 1 credit could cost 1 credit: more than the allowance.
     let err = client
         .handle
@@ -452,7 +451,7 @@ async fn the_debt_limit_refuses_with_a_reason() {
         .expect_err("open leases count");
     assert!(err.to_string().contains("debt limit"), "{err}");
     assert_eq!(
-        net.nodes[0]
+        net.provider(0)
             .handle
             .metrics()
             .lease_rejected_count("debt_limit"),

@@ -11,7 +11,7 @@ use gpunode_node::ledger::Ledger;
 use gpunode_node::store::Store;
 use gpunode_node::DataDir;
 use testnet::ledger::settled_leases;
-use testnet::{TestNet, TestNetConfig, Transport};
+use testnet::{TestNet, Transport};
 
 /// Kill rounds before the last run.
 const ROUNDS: usize = 6;
@@ -53,11 +53,13 @@ async fn killed_requester_keeps_every_acknowledged_receipt_and_a_valid_chain() {
     fn generous(_: usize, c: &mut gpunode_node::NodeConfig) {
         c.allowance = 1e9;
     }
-    let mut config = TestNetConfig::new(vec![None]);
-    config.transport = Transport::Tcp;
-    config.tweak = Some(generous);
-    let net = TestNet::start(config).await.expect("start");
-    let provider = net.nodes[0].handle.clone();
+    let net = TestNet::providers(1)
+        .transport(Transport::Tcp)
+        .tweak(generous)
+        .start()
+        .await
+        .expect("start");
+    let provider = net.provider(0).handle.clone();
     let dir = tempfile::tempdir().expect("tempdir");
     let seed = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -68,7 +70,7 @@ async fn killed_requester_keeps_every_acknowledged_receipt_and_a_valid_chain() {
     let acked = || provider.accounts().ledger.head().seq as usize;
 
     for round in 0..ROUNDS {
-        let mut child = spawn_requester(dir.path(), &net.nodes[0].addr);
+        let mut child = spawn_requester(dir.path(), &net.provider(0).addr);
         // Let it reach the provider and settle some, then kill it mid-stream.
         let before = acked();
         let deadline = Instant::now() + Duration::from_secs(60);
@@ -84,7 +86,7 @@ async fn killed_requester_keeps_every_acknowledged_receipt_and_a_valid_chain() {
     }
     // A last run: the restarted requester settles more (claims left from before the
     // kills are resent, and answered with the countersignatures already on disk).
-    let mut child = spawn_requester(dir.path(), &net.nodes[0].addr);
+    let mut child = spawn_requester(dir.path(), &net.provider(0).addr);
     let want = (acked() + LAST_RUN).max(AT_LEAST);
     let deadline = Instant::now() + Duration::from_secs(180);
     while acked() < want && Instant::now() < deadline {

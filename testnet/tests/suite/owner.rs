@@ -8,40 +8,35 @@ use std::time::Duration;
 
 use gpunode_node::jobs::{ContainerRequest, JobEvent};
 use gpunode_node::owner::OwnerPolicy;
-use gpunode_node::NodeConfig;
-use gpunode_protocol::advert::OfferFilter;
+use gpunode_node::{LeaseSpec, NodeConfig};
 use gpunode_protocol::gpu::GpuState;
 use gpunode_protocol::job::JobOutcome;
 use gpunode_sandbox::container::procs::processes_with_env;
 use testnet::jobs::{events_until, outcome, request, stdout_of, until_end, until_started};
-use testnet::ledger::bare_lease;
-use testnet::{TestNet, TestNetConfig, TestNode};
+use testnet::{TestNet, TestNode};
 
 const LONG: Duration = Duration::from_secs(60);
 /// A pid no gpunode job has: the owner's program.
 const OWNER_PID: u32 = 4_000_001;
 
 fn host_env_job(dir: &std::path::Path, script: &str) -> gpunode_node::jobs::JobRequest {
-    let mut req = request("sh".into(), dir);
-    req.container = Some(ContainerRequest {
-        image: None,
-        command: vec!["sh".into(), "-c".into(), script.into()],
-    });
-    req.gpus = 1;
-    req
+    request("sh".into(), dir)
+        .container(ContainerRequest {
+            image: None,
+            command: vec!["sh".into(), "-c".into(), script.into()],
+        })
+        .gpus(1)
 }
 
-async fn network(tweak: fn(usize, &mut NodeConfig)) -> (TestNet, TestNode) {
-    let mut config = TestNetConfig::new(vec![Some("1xA100-80GB".into()); 2]);
-    config.tweak = Some(tweak);
-    let net = TestNet::start(config).await.expect("start");
-    let client = net.client().await.expect("client");
-    TestNet::wait_for_offers(&client.handle, &OfferFilter::default(), LONG, |o| {
-        o.len() == 2
-    })
-    .await
-    .expect("offers");
-    (net, client)
+/// Two providers with one A100 each, configured by `tweak`, and a client that sees both.
+async fn network(tweak: fn(usize, &mut NodeConfig)) -> TestNet {
+    TestNet::gpu_providers(&["1xA100-80GB"; 2])
+        .tweak(tweak)
+        .with_clients(1)
+        .clients_see_offers(LONG)
+        .start()
+        .await
+        .expect("start")
 }
 
 fn containers(c: &mut NodeConfig) {
@@ -55,13 +50,14 @@ async fn gpu_state(node: &TestNode) -> GpuState {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_owner_coming_back_preempts_and_the_job_runs_elsewhere() {
-    let (net, mut client) = network(|i, c| {
+    let net = network(|i, c| {
         containers(c);
         c.owner_policy = OwnerPolicy::Yield;
         c.owner_grace = Duration::from_millis(500);
         c.price_per_gpu_hour = if i == 0 { 0.5 } else { 2.0 };
     })
     .await;
+    let client = net.client(0);
     let dir = tempfile::tempdir().expect("tempdir");
     let view = client
         .handle
@@ -70,14 +66,14 @@ async fn an_owner_coming_back_preempts_and_the_job_runs_elsewhere() {
     let started = until_started(&client.handle, &view.job_id, &mut from)
         .await
         .expect("started");
-    let first = net.nodes[0].handle.peer_id().to_string();
+    let first = net.provider_id(0);
     assert!(
         started
             .iter()
             .any(|e| matches!(e, JobEvent::Started { provider } if *provider == first)),
         "the cheaper provider runs it first"
     );
-    net.nodes[0]
+    net.provider(0)
         .gpus
         .as_ref()
         .expect("simulated")
@@ -89,16 +85,16 @@ async fn an_owner_coming_back_preempts_and_the_job_runs_elsewhere() {
         .expect("ended")
         .expect("the job succeeds elsewhere");
     assert_eq!(summary.outcome, JobOutcome::Exited(0));
-    assert_eq!(summary.provider, net.nodes[1].handle.peer_id().to_string());
+    assert_eq!(summary.provider, net.provider_id(1));
     assert!(
         events.iter().any(|e| matches!(e, JobEvent::Retrying { reason, .. } if reason.contains("owner took the GPU back"))),
         "{events:?}"
     );
     assert_eq!(stdout_of(&events), b"finished\n");
-    assert_eq!(gpu_state(&net.nodes[0]).await, GpuState::OwnerBusy);
+    assert_eq!(gpu_state(net.provider(0)).await, GpuState::OwnerBusy);
 
     // The preempted lease is settled for the time used only.
-    let ledger = &net.nodes[0].handle.accounts().ledger;
+    let ledger = &net.provider(0).handle.accounts().ledger;
     let mut entry = None;
     for _ in 0..300 {
         entry = ledger
@@ -115,20 +111,19 @@ async fn an_owner_coming_back_preempts_and_the_job_runs_elsewhere() {
         panic!(
             "a receipt for the preempted lease; ledger: {:?}, unsettled: {:?}",
             ledger.recent(10),
-            net.nodes[0].handle.accounts().unsettled()
+            net.provider(0).handle.accounts().unsettled()
         )
     });
     assert!(
         entry.billed_seconds > 0.0 && entry.billed_seconds < 2.9,
         "billed the time used before the owner came back, not the whole task: {entry:?}"
     );
-    client.shutdown().await;
     net.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn share_keeps_running_and_suspend_pauses_until_the_owner_leaves() {
-    let (net, mut client) = network(|i, c| {
+    let net = network(|i, c| {
         containers(c);
         c.owner_policy = if i == 0 {
             OwnerPolicy::Share
@@ -138,17 +133,18 @@ async fn share_keeps_running_and_suspend_pauses_until_the_owner_leaves() {
         c.owner_grace = Duration::from_millis(100);
     })
     .await;
+    let client = net.client(0);
     let dir = tempfile::tempdir().expect("tempdir");
 
     // share: the owner's process runs beside the job, which finishes.
-    let mut req = host_env_job(&dir.path().join("a"), "sleep 1.5; echo shared");
-    req.peer = Some(net.nodes[0].handle.peer_id().to_string());
+    let req =
+        host_env_job(&dir.path().join("a"), "sleep 1.5; echo shared").peer(net.provider_id(0));
     let view = client.handle.submit_job(req);
     let mut from = 0;
     until_started(&client.handle, &view.job_id, &mut from)
         .await
         .expect("started");
-    let sim0 = net.nodes[0].gpus.clone().expect("simulated");
+    let sim0 = net.provider(0).gpus.clone().expect("simulated");
     sim0.set_owner_process(0, Some(OWNER_PID), 1 << 30);
     let events = until_end(&client.handle, &view.job_id, &mut from)
         .await
@@ -160,11 +156,11 @@ async fn share_keeps_running_and_suspend_pauses_until_the_owner_leaves() {
     assert_eq!(stdout_of(&events), b"shared\n");
 
     // suspend: the job stops printing while the owner is there and goes on after.
-    let mut req = host_env_job(
+    let req = host_env_job(
         &dir.path().join("b"),
         "i=0; while [ $i -lt 40 ]; do i=$((i+1)); echo $i; sleep 0.05; done",
-    );
-    req.peer = Some(net.nodes[1].handle.peer_id().to_string());
+    )
+    .peer(net.provider_id(1));
     let view = client.handle.submit_job(req);
     let mut from = 0;
     let mut seen = events_until(
@@ -176,16 +172,16 @@ async fn share_keeps_running_and_suspend_pauses_until_the_owner_leaves() {
     )
     .await
     .expect("counting");
-    let sim1 = net.nodes[1].gpus.clone().expect("simulated");
+    let sim1 = net.provider(1).gpus.clone().expect("simulated");
     sim1.set_owner_process(0, Some(OWNER_PID), 1 << 30);
     // Wait until the provider has paused the job, then watch for a second.
-    status_until(&net.nodes[1], "the job to be paused", |s| {
+    status_until(net.provider(1), "the job to be paused", |s| {
         s.running_jobs.iter().any(|j| j.paused)
     })
     .await;
-    seen.extend(events_for(&client, &view.job_id, &mut from, Duration::from_millis(300)).await);
+    seen.extend(events_for(client, &view.job_id, &mut from, Duration::from_millis(300)).await);
     let paused_at = stdout_of(&seen).len();
-    let during = events_for(&client, &view.job_id, &mut from, Duration::from_secs(1)).await;
+    let during = events_for(client, &view.job_id, &mut from, Duration::from_secs(1)).await;
     assert!(
         stdout_of(&during).is_empty(),
         "no output while the owner is there (had {paused_at} bytes)"
@@ -208,14 +204,13 @@ async fn share_keeps_running_and_suspend_pauses_until_the_owner_leaves() {
     assert_eq!(lines.len(), 40, "every line, none lost: {lines:?}");
     // The time the owner held it paused is not billed: 40 x 50 ms of work plus start-up,
     // not the 1.6 s or more it stood still.
-    let ledger = &net.nodes[1].handle.accounts().ledger;
+    let ledger = &net.provider(1).handle.accounts().ledger;
     let entry = first_entry(ledger).await;
     assert!(
         entry.billed_seconds > 1.5 && entry.billed_seconds < summary.wall_ms as f64 / 1000.0 - 1.0,
         "paused time is not billed: {entry:?}, wall {} ms",
         summary.wall_ms
     );
-    client.shutdown().await;
     net.shutdown().await;
 }
 
@@ -279,7 +274,7 @@ fn window(from_min: i64, to_min: i64) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lending_hours_and_the_memory_cap_limit_what_is_lent() {
-    let (net, mut client) = network(|i, c| {
+    let net = network(|i, c| {
         if i == 0 {
             // Lent from an hour ago until 30 minutes from now.
             c.lend = vec![window(-60, 30)];
@@ -290,13 +285,12 @@ async fn lending_hours_and_the_memory_cap_limit_what_is_lent() {
         }
     })
     .await;
-    let (p0, p1) = (
-        net.nodes[0].handle.peer_id().to_string(),
-        net.nodes[1].handle.peer_id().to_string(),
-    );
-    assert_eq!(gpu_state(&net.nodes[0]).await, GpuState::Idle);
-    assert_eq!(gpu_state(&net.nodes[1]).await, GpuState::OffHours);
-    let inventory = net.nodes[1]
+    let client = net.client(0);
+    let (p0, p1) = (net.provider_id(0), net.provider_id(1));
+    assert_eq!(gpu_state(net.provider(0)).await, GpuState::Idle);
+    assert_eq!(gpu_state(net.provider(1)).await, GpuState::OffHours);
+    let inventory = net
+        .provider(1)
         .handle
         .status()
         .await
@@ -308,8 +302,7 @@ async fn lending_hours_and_the_memory_cap_limit_what_is_lent() {
         "half of 80 GB is lent"
     );
 
-    let mut spec = bare_lease(&p0, 10 * 60_000);
-    spec.gpus = 1;
+    let mut spec = LeaseSpec::new(1, 10 * 60_000).peer(&p0);
     client
         .handle
         .request_lease(spec.clone())
@@ -322,11 +315,9 @@ async fn lending_hours_and_the_memory_cap_limit_what_is_lent() {
         .await
         .expect_err("an hour does not");
     assert!(err.to_string().contains("lending hours end at"), "{err}");
-    let mut spec = bare_lease(&p1, 60_000);
-    spec.gpus = 1;
     let err = client
         .handle
-        .request_lease(spec)
+        .request_lease(LeaseSpec::new(1, 60_000).peer(&p1))
         .await
         .expect_err("closed now");
     assert!(
@@ -334,13 +325,12 @@ async fn lending_hours_and_the_memory_cap_limit_what_is_lent() {
             .contains("outside this provider's lending hours"),
         "{err}"
     );
-    client.shutdown().await;
     net.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gpu_use_is_metered_into_the_receipt_and_alerts_run_the_hook() {
-    let (net, mut client) = network(|_, c| {
+    let net = network(|_, c| {
         containers(c);
         c.alert_temperature_c = 80;
         c.alert_hook = Some(
@@ -348,21 +338,22 @@ async fn gpu_use_is_metered_into_the_receipt_and_alerts_run_the_hook() {
         );
     })
     .await;
+    let client = net.client(0);
     let alerts_file = format!("/tmp/gpunode-alerts-{}", std::process::id());
     let _ = std::fs::remove_file(&alerts_file);
     let dir = tempfile::tempdir().expect("tempdir");
     let marker = format!("GPUNODE_METER_MARK={}", std::process::id());
-    let mut req = host_env_job(dir.path(), "sleep 2.5");
     let (key, value) = marker.split_once('=').expect("marker");
-    req.env.push((key.into(), value.into()));
-    req.peer = Some(net.nodes[0].handle.peer_id().to_string());
+    let req = host_env_job(dir.path(), "sleep 2.5")
+        .env(key, value)
+        .peer(net.provider_id(0));
     let view = client.handle.submit_job(req);
     let mut from = 0;
     until_started(&client.handle, &view.job_id, &mut from)
         .await
         .expect("started");
     // The driver would list the job's process on its GPU: script that.
-    let sim = net.nodes[0].gpus.clone().expect("simulated");
+    let sim = net.provider(0).gpus.clone().expect("simulated");
     let mut pids = Vec::new();
     for _ in 0..100 {
         pids = processes_with_env(&marker);
@@ -375,7 +366,7 @@ async fn gpu_use_is_metered_into_the_receipt_and_alerts_run_the_hook() {
     sim.set_job_process(0, pid, Some((3 << 30, 70)));
     sim.set_readings(0, 91, 0, 70);
     let status = status_until(
-        &net.nodes[0],
+        net.provider(0),
         "300 ms of the job's GPU use to be sampled",
         |s| {
             s.running_jobs
@@ -396,7 +387,7 @@ async fn gpu_use_is_metered_into_the_receipt_and_alerts_run_the_hook() {
         gpu.gpu_ms > 0 && gpu.peak_memory_bytes == 3 << 30,
         "{gpu:?}"
     );
-    let metrics = net.nodes[0].handle.metrics().encode();
+    let metrics = net.provider(0).handle.metrics().encode();
     assert!(
         metrics.contains("gpunode_job_gpu_memory_peak_bytes{"),
         "{metrics}"
@@ -420,7 +411,7 @@ async fn gpu_use_is_metered_into_the_receipt_and_alerts_run_the_hook() {
     assert_eq!(gpu.peak_memory_bytes, 3 << 30);
 
     // The receipt carries the measured GPU time, not the leased time.
-    let ledger = &net.nodes[0].handle.accounts().ledger;
+    let ledger = &net.provider(0).handle.accounts().ledger;
     let entry = first_entry(ledger).await;
     assert!(
         entry.gpu_seconds > 0.0 && entry.gpu_seconds < entry.billed_seconds,
@@ -444,11 +435,11 @@ async fn gpu_use_is_metered_into_the_receipt_and_alerts_run_the_hook() {
     }
     let _ = std::fs::remove_file(&alerts_file);
     assert_eq!(text, format!("temperature {uuid}\n"));
-    assert!(net.nodes[0]
+    assert!(net
+        .provider(0)
         .handle
         .metrics()
         .encode()
         .contains("gpunode_alerts_total{kind=\"temperature\"} 1"));
-    client.shutdown().await;
     net.shutdown().await;
 }

@@ -6,31 +6,28 @@ use std::time::Duration;
 
 use gpunode_node::jobs::{JobEvent, JobState};
 use gpunode_node::lease::LeaseState;
+use gpunode_node::LeaseSpec;
 use gpunode_protocol::advert::OfferFilter;
 use gpunode_protocol::time::now_ms;
 use testnet::jobs::{events_until, outcome, request, task, until_end};
-use testnet::ledger::bare_lease;
-use testnet::{TestNet, TestNetConfig};
+use testnet::TestNet;
 
 const LONG: Duration = Duration::from_secs(60);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_runs_inside_its_reservation_and_overlaps_are_refused() {
-    let net = TestNet::start(TestNetConfig::new(vec![Some("1xA100-80GB".into())]))
+    let net = TestNet::gpu_providers(&["1xA100-80GB"])
+        .with_clients(2)
+        .clients_see_offers(LONG)
+        .start()
         .await
         .expect("start");
-    let mut client = net.client().await.expect("client");
-    let mut other = net.client().await.expect("other");
-    for c in [&client, &other] {
-        TestNet::wait_for_offers(&c.handle, &OfferFilter::default(), LONG, |o| o.len() == 1)
-            .await
-            .expect("offers");
-    }
-    let provider = net.nodes[0].handle.peer_id().to_string();
+    let (client, other) = (net.client(0), net.client(1));
+    let provider = net.provider_id(0);
     let start = now_ms() + 25_000;
-    let mut spec = bare_lease(&provider, 180_000);
-    spec.gpus = 1;
-    spec.start_at_ms = Some(start);
+    let mut spec = LeaseSpec::new(1, 180_000)
+        .peer(&provider)
+        .start_at_ms(start);
     let reservation = client
         .handle
         .request_lease(spec.clone())
@@ -65,9 +62,9 @@ async fn a_job_runs_inside_its_reservation_and_overlaps_are_refused() {
 
     // A job in the reservation waits for its start, then runs on it.
     let dir = tempfile::tempdir().expect("tempdir");
-    let mut req = request(task("copy.wat"), dir.path());
-    req.gpus = 1;
-    req.reservation = Some(reservation.lease_id[..8].to_string());
+    let req = request(task("copy.wat"), dir.path())
+        .gpus(1)
+        .reservation(&reservation.lease_id[..8]);
     let view = client.handle.submit_job(req);
     let mut from = 0;
     events_until(&client.handle, &view.job_id, &mut from, LONG, |e| {
@@ -97,7 +94,5 @@ async fn a_job_runs_inside_its_reservation_and_overlaps_are_refused() {
         .find(|l| l.lease_id == reservation.lease_id)
         .expect("the reservation");
     assert_eq!(after.state, LeaseState::Active);
-    client.shutdown().await;
-    other.shutdown().await;
     net.shutdown().await;
 }

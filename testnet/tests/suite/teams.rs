@@ -17,23 +17,11 @@ const LONG: Duration = Duration::from_secs(60);
 /// Revocations must take effect within this.
 const REVOCATION_BOUND: Duration = Duration::from_secs(30);
 
+/// One GPU and one CPU of `provider` for ten minutes.
 fn lease_of(provider: &PeerId) -> LeaseSpec {
-    LeaseSpec {
-        peer: Some(provider.to_string()),
-        gpus: 1,
-        gpu_model: None,
-        gpu_slice: None,
-        min_gpu_mem_bytes: None,
-        cpus: 1,
-        mem_bytes: 0,
-        backend: "wasm".into(),
-        duration_ms: 600_000,
-        max_price: None,
-        exclude: Vec::new(),
-        kind: Default::default(),
-        ticket: None,
-        start_at_ms: None,
-    }
+    LeaseSpec::new(1, 600_000)
+        .peer(provider.to_string())
+        .cpus(1)
 }
 
 async fn offers_seen(h: &NodeHandle) -> Vec<String> {
@@ -423,8 +411,7 @@ async fn higher_priority_work_preempts_only_where_the_policy_allows() {
         .request_lease(lease_of(&ids[2]))
         .await
         .expect("the member takes the only GPU");
-    let mut urgent = lease_of(&ids[2]);
-    urgent.ticket = Some(7);
+    let urgent = lease_of(&ids[2]).ticket(7);
     let err = members[0]
         .handle
         .request_lease(urgent.clone())

@@ -5,39 +5,38 @@
 use std::time::Duration;
 
 use gpunode_node::jobs::{JobEvent, JobState};
-use gpunode_protocol::advert::OfferFilter;
+use gpunode_node::LeaseSpec;
 use testnet::jobs::{events_until, outcome, request, task, until_end};
-use testnet::ledger::bare_lease;
-use testnet::{TestNet, TestNetConfig};
+use testnet::TestNet;
 
 const LONG: Duration = Duration::from_secs(60);
 
+/// One provider with one A100, and two clients that see its offer.
+async fn one_gpu_and_two_clients() -> TestNet {
+    TestNet::gpu_providers(&["1xA100-80GB"])
+        .with_clients(2)
+        .clients_see_offers(LONG)
+        .start()
+        .await
+        .expect("start")
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_waiting_job_says_why_and_starts_when_the_gpu_frees() {
-    let net = TestNet::start(TestNetConfig::new(vec![Some("1xA100-80GB".into())]))
-        .await
-        .expect("start");
-    let mut holder = net.client().await.expect("holder");
-    let mut client = net.client().await.expect("client");
-    for c in [&holder, &client] {
-        TestNet::wait_for_offers(&c.handle, &OfferFilter::default(), LONG, |o| o.len() == 1)
-            .await
-            .expect("offers");
-    }
-    let provider = net.nodes[0].handle.peer_id().to_string();
-    let mut spec = bare_lease(&provider, 120_000);
-    spec.gpus = 1;
+    let net = one_gpu_and_two_clients().await;
+    let (holder, client) = (net.client(0), net.client(1));
+    let provider = net.provider_id(0);
     let held = holder
         .handle
-        .request_lease(spec)
+        .request_lease(LeaseSpec::new(1, 120_000).peer(&provider))
         .await
         .expect("the only GPU");
 
     let dir = tempfile::tempdir().expect("tempdir");
     // Without --wait: fails at once, naming the reason.
-    let mut req = request(task("copy.wat"), &dir.path().join("a"));
-    req.gpus = 1;
-    req.wait = Some(false);
+    let mut req = request(task("copy.wat"), &dir.path().join("a"))
+        .gpus(1)
+        .wait(false);
     let view = client.handle.submit_job(req.clone());
     let mut from = 0;
     let events = until_end(&client.handle, &view.job_id, &mut from)
@@ -91,32 +90,20 @@ async fn a_waiting_job_says_why_and_starts_when_the_gpu_frees() {
         .expect("job")
         .waiting
         .is_none());
-    holder.shutdown().await;
-    client.shutdown().await;
     net.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_user_with_less_recent_usage_is_served_first() {
-    let net = TestNet::start(TestNetConfig::new(vec![Some("1xA100-80GB".into())]))
-        .await
-        .expect("start");
-    let mut heavy = net.client().await.expect("heavy user");
-    let mut light = net.client().await.expect("light user");
-    for c in [&heavy, &light] {
-        TestNet::wait_for_offers(&c.handle, &OfferFilter::default(), LONG, |o| o.len() == 1)
-            .await
-            .expect("offers");
-    }
-    let provider = net.nodes[0].handle.peer_id().to_string();
+    let net = one_gpu_and_two_clients().await;
+    let (heavy, light) = (net.client(0), net.client(1));
+    let provider = net.provider_id(0);
     // The heavy user holds the only GPU for a while: that is its recent usage (fair share
     // counts GPU time actually held, so this wait is what the test measures, not a guess
     // at how long something takes).
-    let mut spec = bare_lease(&provider, 120_000);
-    spec.gpus = 1;
     let held = heavy
         .handle
-        .request_lease(spec)
+        .request_lease(LeaseSpec::new(1, 120_000).peer(&provider))
         .await
         .expect("the only GPU");
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -124,11 +111,11 @@ async fn the_user_with_less_recent_usage_is_served_first() {
     // Both flood the provider; the heavy user's jobs are queued first.
     let dir = tempfile::tempdir().expect("tempdir");
     let mut jobs = Vec::new();
-    for (name, client) in [("heavy", &heavy), ("light", &light)] {
+    for (name, client) in [("heavy", heavy), ("light", light)] {
         for i in 0..2 {
-            let mut req = request(task("copy.wat"), &dir.path().join(format!("{name}{i}")));
-            req.gpus = 1;
-            req.wait = Some(true);
+            let req = request(task("copy.wat"), &dir.path().join(format!("{name}{i}")))
+                .gpus(1)
+                .wait(true);
             let view = client.handle.submit_job(req);
             let mut from = 0;
             events_until(&client.handle, &view.job_id, &mut from, LONG, |e| {
@@ -151,7 +138,8 @@ async fn the_user_with_less_recent_usage_is_served_first() {
             .unwrap_or_else(|e| panic!("{name}'s job failed: {e}"));
     }
     // The provider's leases in the order it granted them, after the holder's.
-    let mut granted: Vec<_> = net.nodes[0]
+    let mut granted: Vec<_> = net
+        .provider(0)
         .handle
         .list_leases()
         .await
@@ -167,7 +155,5 @@ async fn the_user_with_less_recent_usage_is_served_first() {
         order[0],
         "the light user's job goes first although the heavy user's were queued earlier: {order:?}"
     );
-    heavy.shutdown().await;
-    light.shutdown().await;
     net.shutdown().await;
 }

@@ -4,7 +4,7 @@
 use std::fs;
 
 use gpunode_e2e::{gpunode, gpunode_bin, stderr, stdout};
-use testnet::process::ServeProcess;
+use gpunode_procs::process::ServeProcess;
 
 #[test]
 fn malformed_bootstrap_address_is_refused_before_anything_is_created() {

@@ -6,7 +6,7 @@
 use gpunode_e2e::{free_udp_port, gpunode, gpunode_bin, stderr, stdout};
 use std::time::Duration;
 
-use testnet::process::{ServeProcess, SIGINT};
+use gpunode_procs::process::{ServeProcess, SIGINT};
 
 #[test]
 fn run_a_host_env_command_and_an_image_on_a_peer() {
@@ -82,7 +82,7 @@ fn run_a_host_env_command_and_an_image_on_a_peer() {
     );
 
     let image = tmp.path().join("shell.tar");
-    testnet::images::shell_image(&image, &["/bin/sh", "-c", "echo the image says hi"])
+    gpunode_procs::images::shell_image(&image, &["/bin/sh", "-c", "echo the image says hi"])
         .expect("image");
     let out = gpunode(
         &requester.data_dir,

@@ -6,8 +6,8 @@ use std::process::Command;
 use std::time::Duration;
 
 use gpunode_e2e::gpunode_bin;
+use gpunode_procs::process::{ServeProcess, SIGINT};
 use serde_json::Value;
-use testnet::process::{ServeProcess, SIGINT};
 
 #[test]
 fn js_libp2p_peer_gets_identify_and_ping() {

@@ -4,8 +4,8 @@
 use std::time::Duration;
 
 use gpunode_e2e::{free_udp_port, gpunode, gpunode_bin, stderr, stdout};
+use gpunode_procs::process::{ServeProcess, SIGINT, SIGKILL};
 use serde_json::Value;
-use testnet::process::{ServeProcess, SIGINT, SIGKILL};
 
 fn leases(dir: &std::path::Path) -> Vec<Value> {
     let out = gpunode(dir, &["leases", "--json"]);

@@ -5,8 +5,8 @@
 use std::time::Duration;
 
 use gpunode_e2e::{gpunode, stderr, stdout, workspace_file};
+use gpunode_procs::process::SIGINT;
 use serde_json::Value;
-use testnet::process::SIGINT;
 
 use crate::common;
 use common::provider_and_requester;

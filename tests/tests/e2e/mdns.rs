@@ -7,8 +7,8 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use gpunode_e2e::{gpunode, gpunode_bin, stderr, stdout};
+use gpunode_procs::process::ServeProcess;
 use serde_json::Value;
-use testnet::process::ServeProcess;
 
 /// Two namespaces and the veth between them; removed on drop.
 struct TwoHosts {

@@ -5,8 +5,8 @@
 use std::time::Duration;
 
 use gpunode_e2e::{example_checksum_wasm, gpunode, gpunode_bin, stderr, stdout, workspace_file};
+use gpunode_procs::process::{ServeProcess, SIGINT, SIGKILL};
 use serde_json::Value;
-use testnet::process::{ServeProcess, SIGINT, SIGKILL};
 
 use crate::common;
 use common::provider_and_requester;

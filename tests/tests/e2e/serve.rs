@@ -4,8 +4,8 @@ use std::io::{Read, Write};
 use std::time::{Duration, Instant};
 
 use gpunode_e2e::{gpunode, gpunode_bin, stderr, stdout};
+use gpunode_procs::process::{ServeProcess, SIGINT, SIGTERM};
 use serde_json::Value;
-use testnet::process::{ServeProcess, SIGINT, SIGTERM};
 
 fn offers_json(data_dir: &std::path::Path, extra: &[&str]) -> Vec<Value> {
     let mut args = vec!["offers", "--json"];

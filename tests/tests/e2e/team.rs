@@ -5,8 +5,8 @@
 use std::time::Duration;
 
 use gpunode_e2e::{gpunode, gpunode_bin, stderr, stdout, workspace_file};
+use gpunode_procs::process::{ServeProcess, SIGINT};
 use serde_json::Value;
-use testnet::process::{ServeProcess, SIGINT};
 
 fn ok(out: &std::process::Output) -> String {
     assert!(out.status.success(), "{}", stderr(out));

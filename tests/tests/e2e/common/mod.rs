@@ -1,6 +1,6 @@
 //! Set-ups shared by the process-level tests.
 
-use testnet::process::ServeProcess;
+use gpunode_procs::process::ServeProcess;
 
 /// A provider on a fresh QUIC port and a requester daemon bootstrapped to it.
 pub fn provider_and_requester(dir: &std::path::Path) -> (ServeProcess, ServeProcess) {
