@@ -29,7 +29,7 @@ mod poller;
 pub mod router;
 pub mod standings;
 mod start;
-pub mod store;
+pub use gpunode_store as store;
 pub mod team;
 pub mod views;
 

@@ -105,7 +105,7 @@ fn day(name: &str) -> Result<u8, String> {
 }
 
 /// "mon-fri", "sat,sun", "mon" → day numbers.
-pub(crate) fn days(text: &str) -> Result<Vec<u8>, String> {
+pub fn days(text: &str) -> Result<Vec<u8>, String> {
     let mut out = Vec::new();
     for part in text.split(',') {
         match part.split_once('-') {
@@ -128,7 +128,8 @@ pub(crate) fn days(text: &str) -> Result<Vec<u8>, String> {
     Ok(out)
 }
 
-pub(crate) fn minute(text: &str) -> Result<u16, String> {
+/// "19:30" → minutes of the day (0 to 1440).
+pub fn minute(text: &str) -> Result<u16, String> {
     let (h, m) = text
         .trim()
         .split_once(':')
@@ -143,7 +144,8 @@ pub(crate) fn minute(text: &str) -> Result<u16, String> {
     Ok(h * 60 + m)
 }
 
-pub(crate) fn offset(text: &str) -> Result<i32, String> {
+/// "+01:00" → minutes east of UTC.
+pub fn offset(text: &str) -> Result<i32, String> {
     let t = text.trim();
     let (sign, rest) = match t.chars().next() {
         Some('+') => (1, &t[1..]),

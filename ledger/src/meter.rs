@@ -12,7 +12,7 @@ use gpunode_protocol::lease::LeaseId;
 use gpunode_protocol::receipt::{lease_output_digest, Digest};
 use serde::{Deserialize, Serialize};
 
-use crate::store::Store;
+use gpunode_store::Store;
 
 /// Usage of one lease so far.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -73,7 +73,7 @@ impl std::fmt::Debug for UsageMeter {
 
 impl UsageMeter {
     /// Loads what `tree` holds.
-    pub fn open(store: Store, tree: &'static str) -> Result<UsageMeter, crate::store::StoreError> {
+    pub fn open(store: Store, tree: &'static str) -> Result<UsageMeter, gpunode_store::StoreError> {
         let mut leases = HashMap::new();
         for (k, v) in store.scan(tree)? {
             if let (Ok(id), Ok(u)) = (

@@ -1,4 +1,4 @@
-//! The node's embedded store (the only module that touches sled).
+//! The node's embedded store (the only crate that touches sled).
 //!
 //! Keys are grouped in named trees. Writes that the node acknowledges to anyone are
 //! flushed before the call returns. Opening a store that another process holds fails

@@ -30,7 +30,7 @@ use gpunode_protocol::time::{now_ms, UnixMillis};
 use libp2p::PeerId;
 use serde::{Deserialize, Serialize};
 
-use crate::store::Store;
+use gpunode_store::Store;
 
 /// Evidence halves in this time.
 pub const HALF_LIFE_MS: u64 = 7 * 24 * 3600 * 1000;
@@ -145,7 +145,7 @@ impl std::fmt::Debug for Reputation {
 
 impl Reputation {
     /// Loads the records from the store.
-    pub fn open(store: Store) -> Result<Reputation, crate::store::StoreError> {
+    pub fn open(store: Store) -> Result<Reputation, gpunode_store::StoreError> {
         let mut peers = HashMap::new();
         for (k, v) in store.scan(TREE)? {
             match (
