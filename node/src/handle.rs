@@ -303,12 +303,12 @@ impl NodeHandle {
     }
 
     /// One job by id or unique prefix.
-    pub fn get_job(&self, prefix: &str) -> Result<jobs::JobView, String> {
+    pub fn get_job(&self, prefix: &str) -> Result<jobs::JobView, jobs::table::JobLookupError> {
         self.jobs.get(prefix)
     }
 
     /// Stops a job; returns its id.
-    pub fn cancel_job(&self, prefix: &str) -> Result<String, String> {
+    pub fn cancel_job(&self, prefix: &str) -> Result<String, jobs::table::JobLookupError> {
         self.jobs.cancel(prefix)
     }
 
@@ -318,7 +318,7 @@ impl NodeHandle {
         prefix: &str,
         from: usize,
         wait: Duration,
-    ) -> Result<jobs::table::EventPage, String> {
+    ) -> Result<jobs::table::EventPage, jobs::table::JobLookupError> {
         self.jobs.events(prefix, from, wait).await
     }
 

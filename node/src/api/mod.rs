@@ -211,13 +211,17 @@ pub struct EventsQuery {
 /// Longest a events request waits, so a daemon shutdown is never held up for long.
 const MAX_EVENTS_WAIT_MS: u64 = 1000;
 
-fn not_found(message: String) -> Response {
-    let status = if message.starts_with("no job") {
-        StatusCode::NOT_FOUND
-    } else {
-        StatusCode::BAD_REQUEST
+/// A job that could not be found or acted on, as an HTTP answer.
+fn job_error(e: crate::jobs::table::JobLookupError) -> Response {
+    use crate::jobs::table::JobLookupError;
+    let status = match e {
+        JobLookupError::Unknown(_) => StatusCode::NOT_FOUND,
+        JobLookupError::AlreadyEnded { .. } => StatusCode::CONFLICT,
+        JobLookupError::NoId | JobLookupError::Ambiguous(_) | JobLookupError::Closed => {
+            StatusCode::BAD_REQUEST
+        }
     };
-    (status, message).into_response()
+    (status, e.to_string()).into_response()
 }
 
 async fn submit_job(
@@ -234,15 +238,14 @@ async fn list_jobs(State(node): State<NodeHandle>) -> Json<Vec<crate::jobs::JobV
 async fn get_job(State(node): State<NodeHandle>, UrlPath(id): UrlPath<String>) -> Response {
     match node.get_job(&id) {
         Ok(v) => Json(v).into_response(),
-        Err(m) => not_found(m),
+        Err(e) => job_error(e),
     }
 }
 
 async fn cancel_job(State(node): State<NodeHandle>, UrlPath(id): UrlPath<String>) -> Response {
     match node.cancel_job(&id) {
         Ok(id) => Json(serde_json::json!({ "job_id": id })).into_response(),
-        Err(m) if m.contains("already") => (StatusCode::CONFLICT, m).into_response(),
-        Err(m) => not_found(m),
+        Err(e) => job_error(e),
     }
 }
 
@@ -254,7 +257,7 @@ async fn job_events(
     let wait = std::time::Duration::from_millis(q.wait_ms.min(MAX_EVENTS_WAIT_MS));
     match node.job_events(&id, q.from, wait).await {
         Ok(page) => Json(page).into_response(),
-        Err(m) => not_found(m),
+        Err(e) => job_error(e),
     }
 }
 

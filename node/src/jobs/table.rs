@@ -230,7 +230,7 @@ impl JobTable {
     }
 
     /// One job's view, by id or unique prefix.
-    pub fn get(&self, prefix: &str) -> Result<JobView, String> {
+    pub fn get(&self, prefix: &str) -> Result<JobView, JobLookupError> {
         let map = self.lock();
         let id = resolve(&map, prefix)?;
         Ok(map[&id].view.clone())
@@ -244,12 +244,13 @@ impl JobTable {
     }
 
     /// Asks a job to stop. Returns its id.
-    pub fn cancel(&self, prefix: &str) -> Result<String, String> {
+    pub fn cancel(&self, prefix: &str) -> Result<String, JobLookupError> {
         let map = self.lock();
         let id = resolve(&map, prefix)?;
         let e = &map[&id];
         if e.view.state.is_final() {
-            return Err(format!("job {id} already {}", e.view.state.label()));
+            let state = e.view.state.label();
+            return Err(JobLookupError::AlreadyEnded { id, state });
         }
         e.cancel.send_replace(true);
         Ok(id)
@@ -261,7 +262,7 @@ impl JobTable {
         prefix: &str,
         from: usize,
         wait: Duration,
-    ) -> Result<EventPage, String> {
+    ) -> Result<EventPage, JobLookupError> {
         let mut changed = {
             let map = self.lock();
             let id = resolve(&map, prefix)?;
@@ -285,7 +286,7 @@ impl JobTable {
                 }
             }
             tokio::select! {
-                r = changed.changed() => if r.is_err() { return Err("job table closed".into()) },
+                r = changed.changed() => if r.is_err() { return Err(JobLookupError::Closed) },
                 _ = tokio::time::sleep_until(deadline) => {
                     return Ok(EventPage { events: Vec::new(), next: from, done: false });
                 }
@@ -294,18 +295,41 @@ impl JobTable {
     }
 }
 
-fn resolve(map: &HashMap<String, Entry>, prefix: &str) -> Result<String, String> {
+/// Why a job could not be found or acted on.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum JobLookupError {
+    /// No id was given.
+    #[error("give a job id (see `gpunode jobs`)")]
+    NoId,
+    /// The prefix fits several jobs.
+    #[error("job id prefix '{0}' is ambiguous; give more digits")]
+    Ambiguous(String),
+    /// No job has this id or prefix.
+    #[error("no job '{0}' (see `gpunode jobs`)")]
+    Unknown(String),
+    /// The job is over already.
+    #[error("job {id} already {state}")]
+    AlreadyEnded {
+        /// The job.
+        id: String,
+        /// How it ended.
+        state: &'static str,
+    },
+    /// The node is stopping.
+    #[error("job table closed")]
+    Closed,
+}
+
+fn resolve(map: &HashMap<String, Entry>, prefix: &str) -> Result<String, JobLookupError> {
     let prefix = prefix.trim();
     if prefix.is_empty() {
-        return Err("give a job id (see `gpunode jobs`)".into());
+        return Err(JobLookupError::NoId);
     }
     let mut found = map.keys().filter(|k| k.starts_with(prefix));
     match (found.next(), found.next()) {
         (Some(id), None) => Ok(id.clone()),
-        (Some(_), Some(_)) => Err(format!(
-            "job id prefix '{prefix}' is ambiguous; give more digits"
-        )),
-        (None, _) => Err(format!("no job '{prefix}' (see `gpunode jobs`)")),
+        (Some(_), Some(_)) => Err(JobLookupError::Ambiguous(prefix.to_string())),
+        (None, _) => Err(JobLookupError::Unknown(prefix.to_string())),
     }
 }
 
