@@ -380,6 +380,24 @@ mod tests {
         }
     }
 
+    /// In paused time: a follower's long poll ends at its deadline with nothing new.
+    #[tokio::test(start_paused = true)]
+    async fn a_follower_with_nothing_new_gets_an_empty_page_at_its_deadline() {
+        let table = JobTable::default();
+        let (id, _cancel) = table.insert(&request());
+        let asked = tokio::time::Instant::now();
+        let page = table
+            .events(&id, 0, Duration::from_secs(30))
+            .await
+            .expect("events");
+        assert_eq!(asked.elapsed(), Duration::from_secs(30));
+        assert_eq!((page.events.len(), page.next, page.done), (0, 0, false));
+        assert_eq!(
+            table.events("nope", 0, Duration::from_secs(1)).await.err(),
+            Some(JobLookupError::Unknown("nope".into()))
+        );
+    }
+
     #[tokio::test]
     async fn followers_see_events_in_order_and_the_end() {
         let table = JobTable::default();

@@ -84,10 +84,11 @@ mod tests {
     use super::*;
     use std::task::{Context, Poll};
 
-    #[tokio::test]
+    /// In paused time: the deadline is the real one, and the test does not wait for it.
+    #[tokio::test(start_paused = true)]
     async fn busy_and_silent_streams_are_refused_and_counted() {
         let metrics = Metrics::new();
-        let gate = StreamGate::new("test", 2, Duration::from_millis(50), metrics.clone());
+        let gate = StreamGate::new("test", 2, FIRST_MESSAGE_DEADLINE, metrics.clone());
         let a = gate.enter().expect("first");
         let _b = gate.enter().expect("second");
         assert!(gate.enter().is_none(), "a third handler waits for nobody");
@@ -95,11 +96,13 @@ mod tests {
         drop(a);
         assert!(gate.enter().is_some(), "a slot frees when its handler ends");
 
-        // A stream that never says anything is given up at the deadline.
+        // A stream that never says anything is given up at the deadline, not before.
+        let opened = tokio::time::Instant::now();
         let err = gate
             .first_message::<_, String>(&mut Silent)
             .await
             .expect_err("silent");
+        assert_eq!(opened.elapsed(), FIRST_MESSAGE_DEADLINE);
         assert_eq!(err.kind(), io::ErrorKind::TimedOut);
         assert_eq!(metrics.stream_refused_count("test", "silent"), 1);
     }
