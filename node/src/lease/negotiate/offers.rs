@@ -4,7 +4,8 @@
 
 use gpunode_protocol::advert::OfferFilter;
 use gpunode_protocol::lease::{
-    LeaseRequest, LeaseTerms, QueuePlace, RejectCode, Rejection, RESERVATION_MIN_LEAD_MS,
+    LeaseRequest, LeaseTerms, QueuePlace, RejectCode, Rejection, Requirements,
+    RESERVATION_MIN_LEAD_MS,
 };
 use gpunode_protocol::time::{UnixMillis, MAX_CLOCK_SKEW_MS};
 use gpunode_protocol::PeerId;
@@ -61,30 +62,7 @@ pub fn check_offer(
     }
     terms.verify(provider, provider_sig)?;
     let r = &req.requirements;
-    if terms.gpus.len() != r.gpus as usize {
-        return bad(format!(
-            "offer has {} GPUs, {} were asked for",
-            terms.gpus.len(),
-            r.gpus
-        ));
-    }
-    let filter = OfferFilter::for_gpus_of(r);
-    if let Some(g) = terms
-        .gpus
-        .iter()
-        .find(|g| !filter.gpu_matches(&g.model, g.memory_bytes))
-    {
-        return bad(format!(
-            "offered GPU {} ({}) does not match the request",
-            g.uuid, g.model
-        ));
-    }
-    let mut uuids: Vec<&str> = terms.gpus.iter().map(|g| g.uuid.as_str()).collect();
-    uuids.sort();
-    uuids.dedup();
-    if uuids.len() != terms.gpus.len() {
-        return bad("offer names the same GPU twice".to_string());
-    }
+    check_gpus(r, terms)?;
     if terms.cpus < r.cpus || terms.mem_bytes < r.mem_bytes || terms.backend != r.backend {
         return bad("offer gives less CPU, RAM or another backend than asked".to_string());
     }
@@ -119,6 +97,37 @@ pub fn check_offer(
             RejectCode::OfferExpired,
             "the offer arrived after its window",
         ));
+    }
+    Ok(())
+}
+
+/// Checks the GPUs an offer names against what was asked: as many, each matching, none
+/// twice.
+fn check_gpus(r: &Requirements, terms: &LeaseTerms) -> Result<(), Rejection> {
+    let bad = |m: String| Err(Rejection::new(RejectCode::TermsAltered, m));
+    if terms.gpus.len() != r.gpus as usize {
+        return bad(format!(
+            "offer has {} GPUs, {} were asked for",
+            terms.gpus.len(),
+            r.gpus
+        ));
+    }
+    let filter = OfferFilter::for_gpus_of(r);
+    if let Some(g) = terms
+        .gpus
+        .iter()
+        .find(|g| !filter.gpu_matches(&g.model, g.memory_bytes))
+    {
+        return bad(format!(
+            "offered GPU {} ({}) does not match the request",
+            g.uuid, g.model
+        ));
+    }
+    let mut uuids: Vec<&str> = terms.gpus.iter().map(|g| g.uuid.as_str()).collect();
+    uuids.sort();
+    uuids.dedup();
+    if uuids.len() != terms.gpus.len() {
+        return bad("offer names the same GPU twice".to_string());
     }
     Ok(())
 }
