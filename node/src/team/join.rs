@@ -9,10 +9,10 @@ use futures::{AsyncReadExt, AsyncWriteExt, StreamExt};
 use gpunode_protocol::team::{InviteToken, JoinReply, JoinRequest};
 use gpunode_protocol::time::now_ms;
 use libp2p::identity::Keypair;
-use libp2p::Multiaddr;
+use libp2p::{Multiaddr, PeerId, StreamProtocol, Swarm};
 
 use super::{team_protocol, TeamOpError, TeamState};
-use crate::network::{build_swarm, SwarmSettings};
+use crate::network::{build_swarm, NodeBehaviour, SwarmSettings};
 use crate::router::framing;
 
 /// How long joining may take.
@@ -24,6 +24,20 @@ pub async fn join(
     node_key: &Keypair,
     token: &InviteToken,
 ) -> Result<TeamState, TeamOpError> {
+    let addrs = inviter_addrs(data_dir, token)?;
+    let join_key = token.join_keypair()?;
+    let join_peer = join_key.public().to_peer_id();
+    let swarm = dial_inviter(join_key, token, &addrs)?;
+    let request = JoinRequest::new(token.team, node_key, &join_peer)?;
+    let reply = ask_inviter(swarm, request, token).await?;
+    let state = joined_state(reply, node_key, token)?;
+    state.save(data_dir)?;
+    Ok(state)
+}
+
+/// Where to reach the inviter, once this node is known to be in no team and the token
+/// still fresh.
+fn inviter_addrs(data_dir: &Path, token: &InviteToken) -> Result<Vec<Multiaddr>, TeamOpError> {
     if let Some(existing) = TeamState::load(data_dir)? {
         return Err(TeamOpError::AlreadyInTeam(existing.team.to_string()));
     }
@@ -38,8 +52,16 @@ pub async fn join(
             "the invite token names no address to reach the team at".into(),
         ));
     }
-    let join_key = token.join_keypair()?;
-    let join_peer = join_key.public().to_peer_id();
+    Ok(addrs)
+}
+
+/// A swarm under the token's join identity, which lets in the inviter alone, dialling
+/// `addrs`.
+fn dial_inviter(
+    join_key: Keypair,
+    token: &InviteToken,
+    addrs: &[Multiaddr],
+) -> Result<Swarm<NodeBehaviour>, TeamOpError> {
     let mut swarm = build_swarm(
         join_key,
         &SwarmSettings {
@@ -53,41 +75,30 @@ pub async fn join(
         },
     )
     .map_err(|e| TeamOpError::Invalid(e.to_string()))?;
-    for addr in &addrs {
+    for addr in addrs {
         let _ = swarm.dial(addr.clone());
     }
-    let mut control = swarm.behaviour().stream.new_control();
-    let request = JoinRequest::new(token.team, node_key, &join_peer)?;
-    let protocol = team_protocol(&token.team, "join");
-    let inviter = token.inviter;
-    let exchange = async move {
-        let stream = control.open_stream(inviter, protocol).await.map_err(|e| {
-            format!(
-                "cannot reach the inviter {inviter}: {e}. If its node is running, this \
-                     invite is used up or expired (its identity is no longer let in); ask an \
-                     admin for a new one"
-            )
-        })?;
-        let (mut r, mut w) = AsyncReadExt::split(stream);
-        framing::write_message(&mut w, &request)
-            .await
-            .map_err(|e| e.to_string())?;
-        w.flush().await.map_err(|e| e.to_string())?;
-        let reply = framing::read_message::<_, JoinReply>(&mut r)
-            .await
-            .map_err(|e| {
-                format!(
-                    "the inviter did not answer: {e}. The invite may be used up or expired; \
-                     ask an admin for a new one"
-                )
-            })?;
-        let _ = w.close().await;
-        Ok::<_, String>(reply)
-    };
+    Ok(swarm)
+}
+
+/// Sends `request` to the inviter and waits for its answer, driving `swarm` meanwhile,
+/// for [`JOIN_TIMEOUT`] at most.
+async fn ask_inviter(
+    mut swarm: Swarm<NodeBehaviour>,
+    request: JoinRequest,
+    token: &InviteToken,
+) -> Result<JoinReply, TeamOpError> {
+    let control = swarm.behaviour().stream.new_control();
+    let exchange = exchange(
+        control,
+        token.inviter,
+        team_protocol(&token.team, "join"),
+        request,
+    );
     tokio::pin!(exchange);
     let deadline = tokio::time::sleep(JOIN_TIMEOUT);
     tokio::pin!(deadline);
-    let reply = loop {
+    loop {
         tokio::select! {
             r = &mut exchange => break r,
             _ = swarm.select_next_some() => {}
@@ -98,7 +109,48 @@ pub async fn join(
             )),
         }
     }
-    .map_err(TeamOpError::Invalid)?;
+    .map_err(TeamOpError::Invalid)
+}
+
+/// One join exchange with `inviter` over `protocol`: the request out, the reply in.
+async fn exchange(
+    mut control: libp2p_stream::Control,
+    inviter: PeerId,
+    protocol: StreamProtocol,
+    request: JoinRequest,
+) -> Result<JoinReply, String> {
+    let stream = control.open_stream(inviter, protocol).await.map_err(|e| {
+        format!(
+            "cannot reach the inviter {inviter}: {e}. If its node is running, this \
+                 invite is used up or expired (its identity is no longer let in); ask an \
+                 admin for a new one"
+        )
+    })?;
+    let (mut r, mut w) = AsyncReadExt::split(stream);
+    framing::write_message(&mut w, &request)
+        .await
+        .map_err(|e| e.to_string())?;
+    w.flush().await.map_err(|e| e.to_string())?;
+    let reply = framing::read_message::<_, JoinReply>(&mut r)
+        .await
+        .map_err(|e| {
+            format!(
+                "the inviter did not answer: {e}. The invite may be used up or expired; \
+                 ask an admin for a new one"
+            )
+        })?;
+    let _ = w.close().await;
+    Ok(reply)
+}
+
+/// The state of a member just admitted by `reply`, checked against the token: the
+/// certificate is the team's and this node's; the members, revocations and policy it
+/// brings are taken as a sync would take them.
+fn joined_state(
+    reply: JoinReply,
+    node_key: &Keypair,
+    token: &InviteToken,
+) -> Result<TeamState, TeamOpError> {
     let (cert, members, revocations, policy) = match reply {
         JoinReply::Admitted {
             cert,
@@ -138,6 +190,5 @@ pub async fn join(
     for m in members {
         let _ = state.admit(m, now);
     }
-    state.save(data_dir)?;
     Ok(state)
 }

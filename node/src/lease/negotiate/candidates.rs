@@ -1,0 +1,172 @@
+//! Which providers to ask for a lease, and in what order: the one named, or those whose
+//! offers match (reputable ones with enough idle GPUs first, then by `rank`), each with
+//! where to reach it and the price it advertised.
+
+use gpunode_protocol::advert::OfferFilter;
+use gpunode_protocol::PeerId;
+use libp2p::Multiaddr;
+
+use super::{rank, LeaseError, Negotiator, REPUTATION_FLOOR};
+use crate::ledger::reputation::NEUTRAL;
+use crate::views::LeaseSpec;
+
+/// A provider to ask, where to reach it (nothing when connected), and the price it
+/// advertised (millicredits per GPU-hour), when known: an offer above the advertised
+/// price is refused even without --max-price.
+pub(super) struct Candidate {
+    /// The provider.
+    pub(super) peer: PeerId,
+    /// Where to reach it.
+    pub(super) addrs: Vec<Multiaddr>,
+    /// The price it advertised.
+    pub(super) advertised: Option<u64>,
+}
+
+impl Negotiator {
+    pub(super) async fn addresses_of(&self, peer: PeerId) -> Vec<Multiaddr> {
+        if let Ok(true) = self.client.is_connected(peer).await {
+            return Vec::new();
+        }
+        self.find_adverts(vec![peer])
+            .await
+            .ok()
+            .and_then(|v| v.into_iter().next())
+            .map(|o| listen_multiaddrs(&o))
+            .unwrap_or_default()
+    }
+
+    /// Where to reach `peer` (nothing when connected) and the price it advertises
+    /// (millicredits per GPU-hour), when its advert is known. A connected peer whose
+    /// advert this node already verified costs no DHT request.
+    async fn target_of(&self, peer: PeerId) -> (Vec<Multiaddr>, Option<u64>) {
+        let connected = matches!(self.client.is_connected(peer).await, Ok(true));
+        let known = self.client.known_price(peer).await.ok().flatten();
+        if connected && known.is_some() {
+            return (Vec::new(), known);
+        }
+        let advert = self
+            .find_adverts(vec![peer])
+            .await
+            .ok()
+            .and_then(|v| v.into_iter().next());
+        let price = advert
+            .as_ref()
+            .map(|o| (o.price_per_gpu_hour * 1000.0).round() as u64)
+            .or(known);
+        let addrs = match advert {
+            Some(o) if !connected => listen_multiaddrs(&o),
+            _ => Vec::new(),
+        };
+        (addrs, price)
+    }
+
+    /// The providers to ask for `spec`, in order: the one it names, or those whose
+    /// offers match, at `max_price` (millicredits per GPU-hour) or less when set.
+    pub(super) async fn candidates(
+        &self,
+        spec: &LeaseSpec,
+        max_price: Option<u64>,
+    ) -> Result<Vec<Candidate>, LeaseError> {
+        match &spec.peer {
+            Some(p) => {
+                let peer: PeerId = p.parse().map_err(|_| {
+                    LeaseError::Invalid(format!("'{p}' is not a peer id (12D3KooW...)"))
+                })?;
+                let (addrs, advertised) = self.target_of(peer).await;
+                Ok(vec![Candidate {
+                    peer,
+                    addrs,
+                    advertised,
+                }])
+            }
+            None => self.search(spec, max_price).await,
+        }
+    }
+
+    /// The providers whose offers match `spec`, best first (see [`order_offers`]).
+    async fn search(
+        &self,
+        spec: &LeaseSpec,
+        max_price: Option<u64>,
+    ) -> Result<Vec<Candidate>, LeaseError> {
+        let filter = OfferFilter {
+            gpu_model: spec.gpu_model.clone(),
+            gpu_slice: spec.gpu_slice.clone(),
+            min_gpu_mem_bytes: spec.min_gpu_mem_bytes,
+            gpus: Some(spec.gpus),
+            backend: Some(spec.backend.clone()),
+        };
+        let mut offers = self.client.search_offers(filter.clone()).await?.offers;
+        offers.retain(|o| {
+            max_price.is_none_or(|m| (o.price_per_gpu_hour * 1000.0).round() as u64 <= m)
+        });
+        order_offers(&mut offers, &filter, spec.gpus);
+        Ok(offers
+            .iter()
+            .filter_map(|o| {
+                let peer = o.peer_id.parse().ok()?;
+                Some(Candidate {
+                    peer,
+                    addrs: listen_multiaddrs(o),
+                    advertised: Some((o.price_per_gpu_hour * 1000.0).round() as u64),
+                })
+            })
+            .collect())
+    }
+}
+
+/// Sorts offers best first. Providers whose reputation fell below the floor go last;
+/// then those with enough idle matching GPUs (`gpus` of `filter`); then by price
+/// weighted by reputation and latency (see `rank`).
+fn order_offers(offers: &mut [crate::OfferView], filter: &OfferFilter, gpus: u32) {
+    // Providers that advertise enough idle matching GPUs first (cheapest
+    // first within each group); the rest may have freed some meanwhile.
+    let idle_enough = |o: &crate::OfferView| {
+        o.gpus
+            .iter()
+            .filter(|g| {
+                g.state == gpunode_protocol::gpu::GpuState::Idle
+                    && filter.gpu_matches(&g.model, g.memory_bytes)
+            })
+            .count()
+            >= gpus as usize
+    };
+    offers.sort_by(|a, b| {
+        let key = |o: &crate::OfferView| {
+            (
+                o.reputation.unwrap_or(NEUTRAL) < REPUTATION_FLOOR,
+                !idle_enough(o),
+            )
+        };
+        key(a)
+            .cmp(&key(b))
+            .then_with(|| rank(a).total_cmp(&rank(b)))
+    });
+}
+
+/// The addresses an offer lists, parsed (unparsable ones left out).
+fn listen_multiaddrs(o: &crate::OfferView) -> Vec<Multiaddr> {
+    o.listen_addrs
+        .iter()
+        .filter_map(|a| a.parse().ok())
+        .collect()
+}
+
+/// What `spec` asks for, in words.
+pub(super) fn describe(spec: &LeaseSpec) -> String {
+    let mut s = format!("{} GPU(s)", spec.gpus);
+    if let Some(m) = &spec.gpu_model {
+        s.push_str(&format!(" of model {m}"));
+    }
+    if let Some(slice) = &spec.gpu_slice {
+        s.push_str(&format!(" as MIG slice {slice}"));
+    }
+    if let Some(mem) = spec.min_gpu_mem_bytes {
+        s.push_str(&format!(
+            " with {}",
+            gpunode_protocol::units::format_bytes(mem)
+        ));
+    }
+    s.push_str(&format!(" on backend {}", spec.backend));
+    s
+}

@@ -1,0 +1,320 @@
+//! The requester's side of a lease negotiation: ask candidates in order, check each
+//! offer against what was asked, countersign the first firm one, and record the lease.
+//!
+//! [`Negotiator`] gets leases here; `candidates` picks whom to ask and in what order,
+//! `offers` judges what they answer, and `held` renews and cancels leases once had.
+
+mod candidates;
+mod held;
+mod offers;
+
+use std::time::Duration;
+
+use gpunode_protocol::lease::{
+    LeaseMessage, LeaseReply, LeaseRequest, LeaseTerms, QueuePlace, Rejection, Requirements,
+    LEASE_VERSION,
+};
+use gpunode_protocol::time::now_ms;
+use gpunode_protocol::PeerId;
+use libp2p::identity::Keypair;
+use libp2p::Multiaddr;
+
+use crate::loop_client::LoopClient;
+use crate::views::{LeaseSpec, LeaseView};
+use crate::NodeError;
+use candidates::{describe, Candidate};
+
+pub use offers::{check_offer, describe_place, rank, REPUTATION_FLOOR};
+
+/// Why one provider did not grant a lease.
+enum NotGranted {
+    /// Refused, with the reason.
+    Refused(String),
+    /// Waits in its queue.
+    Queued(QueuePlace),
+}
+
+impl NotGranted {
+    /// What an answer other than the one hoped for means: the provider's refusal, the
+    /// exchange's failure, or an answer out of turn.
+    fn from_answer(answer: Result<LeaseReply, String>) -> NotGranted {
+        match answer {
+            Ok(LeaseReply::Rejected(r)) => NotGranted::Refused(r.message),
+            Ok(other) => NotGranted::Refused(format!("unexpected answer {other:?}")),
+            Err(e) => NotGranted::Refused(e),
+        }
+    }
+}
+
+/// How long a lease request stays valid.
+const REQUEST_TTL_MS: u64 = 30_000;
+
+/// Why a lease could not be had, renewed or cancelled.
+#[derive(Debug, thiserror::Error)]
+pub enum LeaseError {
+    /// The request itself is not usable.
+    #[error("{0}")]
+    Invalid(String),
+    /// No provider offers what was asked.
+    #[error("no provider offers {0}; see `gpunode offers` for what is available")]
+    NoProviders(String),
+    /// Every candidate refused or failed.
+    #[error("no provider granted the lease:{}", .0.iter().map(|(p, m)| format!("\n  {p}: {m}")).collect::<String>())]
+    AllRefused(Vec<(String, String)>),
+    /// Nobody can grant it now; it waits in these providers' queues (the others refused).
+    #[error("queued at {} provider(s):{}", .queued.len(), .queued.iter().map(|(p, q)| format!("\n  {p}: {}", describe_place(q))).chain(.refused.iter().map(|(p, m)| format!("\n  {p}: {m}"))).collect::<String>())]
+    Queued {
+        /// Provider and place.
+        queued: Vec<(String, QueuePlace)>,
+        /// Provider and why it refused.
+        refused: Vec<(String, String)>,
+    },
+    /// The other party refused.
+    #[error("{0}")]
+    Refused(Rejection),
+    /// No such lease, or not in a state for this.
+    #[error("{0}")]
+    NotFound(String),
+    /// The node failed.
+    #[error(transparent)]
+    Node(#[from] NodeError),
+}
+
+/// The requester's side of lease negotiation: finds providers, negotiates, renews and
+/// cancels, through the loop client and with this node's key.
+#[derive(Debug, Clone)]
+pub struct Negotiator {
+    client: LoopClient,
+    keypair: Keypair,
+    peer_id: PeerId,
+}
+
+impl Negotiator {
+    /// A negotiator for the node with `keypair`, reaching its loop through `client`.
+    pub fn new(client: LoopClient, keypair: Keypair) -> Negotiator {
+        Negotiator {
+            peer_id: keypair.public().to_peer_id(),
+            client,
+            keypair,
+        }
+    }
+
+    /// Sends one lease message to `peer` and waits for the answer.
+    pub async fn send_lease(
+        &self,
+        peer: PeerId,
+        addrs: Vec<Multiaddr>,
+        message: LeaseMessage,
+    ) -> Result<Result<LeaseReply, String>, NodeError> {
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let answer = self
+                .client
+                .send_lease(peer, addrs.clone(), message.clone())
+                .await?;
+            match answer {
+                // A dial already under way to an address the peer no longer uses, or a
+                // connection that died with the peer (a crash and restart), fails an
+                // attempt; the next one opens a fresh connection.
+                Err(e) if attempt < 3 && is_transport_failure(&e) => {
+                    tokio::time::sleep(Duration::from_millis(300)).await;
+                }
+                other => return Ok(other),
+            }
+        }
+    }
+
+    /// Current adverts of known peers (for their addresses and offers).
+    pub async fn find_adverts(
+        &self,
+        peers: Vec<PeerId>,
+    ) -> Result<Vec<crate::OfferView>, NodeError> {
+        Ok(self.client.find_adverts(peers).await?.offers)
+    }
+
+    /// Finds a provider (or asks the named one), negotiates and records a lease.
+    pub async fn request_lease(&self, spec: LeaseSpec) -> Result<LeaseView, LeaseError> {
+        let max_price = price_limit(&spec)?;
+        let candidates: Vec<Candidate> = self
+            .candidates(&spec, max_price)
+            .await?
+            .into_iter()
+            .filter(|c| !spec.exclude.contains(&c.peer.to_string()))
+            .collect();
+        if candidates.is_empty() {
+            return Err(LeaseError::NoProviders(describe(&spec)));
+        }
+        self.ask_in_turn(candidates, &spec, max_price).await
+    }
+
+    /// Asks each candidate in turn until one grants the lease; otherwise says who
+    /// queued it (soonest start first) and who refused.
+    async fn ask_in_turn(
+        &self,
+        candidates: Vec<Candidate>,
+        spec: &LeaseSpec,
+        max_price: Option<u64>,
+    ) -> Result<LeaseView, LeaseError> {
+        let mut refusals = Vec::new();
+        let mut queued = Vec::new();
+        for Candidate {
+            peer,
+            addrs,
+            advertised,
+        } in candidates
+        {
+            let max_price = match (max_price, advertised) {
+                (Some(m), Some(a)) => Some(m.min(a)),
+                (m, a) => m.or(a),
+            };
+            match self.negotiate_with(peer, addrs, spec, max_price).await? {
+                Ok(view) => return Ok(view),
+                Err(NotGranted::Refused(why)) => refusals.push((peer.to_string(), why)),
+                Err(NotGranted::Queued(place)) => queued.push((peer.to_string(), place)),
+            }
+        }
+        if queued.is_empty() {
+            return Err(LeaseError::AllRefused(refusals));
+        }
+        // Soonest start first.
+        queued.sort_by_key(|(_, q)| (q.estimated_start_ms.unwrap_or(u64::MAX), q.position));
+        Err(LeaseError::Queued {
+            queued,
+            refused: refusals,
+        })
+    }
+
+    /// Negotiates with one provider: the request, its offer checked, our acceptance,
+    /// and the lease recorded.
+    async fn negotiate_with(
+        &self,
+        peer: PeerId,
+        addrs: Vec<Multiaddr>,
+        spec: &LeaseSpec,
+        max_price: Option<u64>,
+    ) -> Result<Result<LeaseView, NotGranted>, NodeError> {
+        let req = self.lease_request(spec, max_price);
+        let (terms, provider_sig) = match self.ask_offer(peer, addrs.clone(), &req).await? {
+            Ok(offer) => offer,
+            Err(not) => return Ok(Err(not)),
+        };
+        if let Err(r) = check_offer(&req, &peer, &terms, &provider_sig, now_ms()) {
+            return Ok(Err(NotGranted::Refused(format!(
+                "offer refused: {}",
+                r.message
+            ))));
+        }
+        let requester_sig = match self.accept(peer, addrs, &terms, &provider_sig).await? {
+            Ok(sig) => sig,
+            Err(not) => return Ok(Err(not)),
+        };
+        let record = self
+            .client
+            .record_lease(terms, provider_sig, requester_sig)
+            .await?;
+        // Both signatures were just checked (the provider's in check_offer, ours made here).
+        Ok(record
+            .map(|r| LeaseView::with_signatures(&r, (true, true)))
+            .map_err(NotGranted::Refused))
+    }
+
+    /// The request for `spec` at `max_price`, sent now and valid for [`REQUEST_TTL_MS`].
+    fn lease_request(&self, spec: &LeaseSpec, max_price: Option<u64>) -> LeaseRequest {
+        let now = now_ms();
+        LeaseRequest {
+            version: LEASE_VERSION,
+            requester: self.peer_id,
+            requester_key: self.keypair.public().encode_protobuf(),
+            nonce: rand::random(),
+            requirements: Requirements {
+                gpus: spec.gpus,
+                gpu_model: spec.gpu_model.clone(),
+                gpu_slice: spec.gpu_slice.clone(),
+                min_gpu_mem_bytes: spec.min_gpu_mem_bytes,
+                cpus: spec.cpus,
+                mem_bytes: spec.mem_bytes,
+                backend: spec.backend.clone(),
+                kind: spec.kind,
+            },
+            duration_ms: spec.duration_ms,
+            max_price_per_gpu_hour_millicredits: max_price,
+            sent_at_ms: now,
+            expires_at_ms: now + REQUEST_TTL_MS,
+            ticket: spec.ticket,
+            start_at_ms: spec.start_at_ms,
+        }
+    }
+
+    /// Sends `req` to `peer`: its offer (terms and signature), or why there is none.
+    async fn ask_offer(
+        &self,
+        peer: PeerId,
+        addrs: Vec<Multiaddr>,
+        req: &LeaseRequest,
+    ) -> Result<Result<(LeaseTerms, Vec<u8>), NotGranted>, NodeError> {
+        let answer = self
+            .send_lease(peer, addrs, LeaseMessage::Request(req.clone()))
+            .await?;
+        Ok(match answer {
+            Ok(LeaseReply::Offer {
+                terms,
+                provider_sig,
+            }) => Ok((terms, provider_sig)),
+            Ok(LeaseReply::Queued(place)) => Err(NotGranted::Queued(place)),
+            other => Err(NotGranted::from_answer(other)),
+        })
+    }
+
+    /// Countersigns the checked offer and sends the acceptance: our signature once
+    /// `peer` activated the lease, or why it did not.
+    async fn accept(
+        &self,
+        peer: PeerId,
+        addrs: Vec<Multiaddr>,
+        terms: &LeaseTerms,
+        provider_sig: &[u8],
+    ) -> Result<Result<Vec<u8>, NotGranted>, NodeError> {
+        let requester_sig = match terms.sign(&self.keypair) {
+            Ok(s) => s,
+            Err(e) => return Ok(Err(NotGranted::Refused(e.to_string()))),
+        };
+        let accept = LeaseMessage::Accept {
+            terms: terms.clone(),
+            provider_sig: provider_sig.to_vec(),
+            requester_sig: requester_sig.clone(),
+        };
+        Ok(match self.send_lease(peer, addrs, accept).await? {
+            Ok(LeaseReply::Activated { lease_id }) if lease_id == terms.lease_id => {
+                Ok(requester_sig)
+            }
+            other => Err(NotGranted::from_answer(other)),
+        })
+    }
+}
+
+/// The most `spec` may cost, millicredits per GPU-hour, once it is known to ask for a
+/// duration and a usable price.
+fn price_limit(spec: &LeaseSpec) -> Result<Option<u64>, LeaseError> {
+    if spec.duration_ms == 0 {
+        return Err(LeaseError::Invalid(
+            "a lease needs a duration, e.g. --duration 30m".into(),
+        ));
+    }
+    match spec.max_price {
+        Some(p) if !(p.is_finite() && p >= 0.0) => {
+            Err(LeaseError::Invalid(format!("invalid maximum price {p}")))
+        }
+        Some(p) => Ok(Some((p * 1000.0).round() as u64)),
+        None => Ok(None),
+    }
+}
+
+/// Failures of the connection rather than refusals by the peer: worth one more try.
+fn is_transport_failure(error: &str) -> bool {
+    let e = error.to_ascii_lowercase();
+    e.contains("dial")
+        || e.contains("connection")
+        || e.contains("timeout")
+        || e.contains("timed out")
+}
