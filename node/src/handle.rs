@@ -144,7 +144,7 @@ impl NodeHandle {
         peer: PeerId,
         addrs: Vec<libp2p::Multiaddr>,
         message: gpunode_protocol::lease::LeaseMessage,
-    ) -> Result<Result<gpunode_protocol::lease::LeaseReply, String>, NodeError> {
+    ) -> Result<Result<gpunode_protocol::lease::LeaseReply, lease::LeaseSendError>, NodeError> {
         self.negotiator.send_lease(peer, addrs, message).await
     }
 

@@ -11,7 +11,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::lease::book::SignedRenewal;
 use crate::lease::desk::LocalCancel;
-use crate::lease::LeaseRecord;
+use crate::lease::{LeaseOpError, LeaseRecord, LeaseSendError};
 use crate::views::{NodeStatus, OfferSearch};
 use crate::NodeError;
 
@@ -33,17 +33,17 @@ pub(crate) enum Command {
         peer: PeerId,
         addrs: Vec<Multiaddr>,
         message: LeaseMessage,
-        reply: oneshot::Sender<Result<LeaseReply, String>>,
+        reply: oneshot::Sender<Result<LeaseReply, LeaseSendError>>,
     },
     RecordLease {
         terms: LeaseTerms,
         provider_sig: Vec<u8>,
         requester_sig: Vec<u8>,
-        reply: oneshot::Sender<Result<LeaseRecord, String>>,
+        reply: oneshot::Sender<Result<LeaseRecord, LeaseOpError>>,
     },
     ApplyRenewal {
         signed: SignedRenewal,
-        reply: oneshot::Sender<Result<LeaseRecord, String>>,
+        reply: oneshot::Sender<Result<LeaseRecord, LeaseOpError>>,
     },
     CancelLocal {
         prefix: String,
@@ -51,7 +51,7 @@ pub(crate) enum Command {
     },
     ResolveLease {
         prefix: String,
-        reply: oneshot::Sender<Result<LeaseRecord, String>>,
+        reply: oneshot::Sender<Result<LeaseRecord, LeaseOpError>>,
     },
     ListLeases(oneshot::Sender<Vec<LeaseRecord>>),
     /// Team mode: exactly these peers may connect.
@@ -132,7 +132,7 @@ impl LoopClient {
         peer: PeerId,
         addrs: Vec<Multiaddr>,
         message: LeaseMessage,
-    ) -> Result<Result<LeaseReply, String>, NodeError> {
+    ) -> Result<Result<LeaseReply, LeaseSendError>, NodeError> {
         self.ask(|reply| Command::SendLease {
             peer,
             addrs,
@@ -148,7 +148,7 @@ impl LoopClient {
         terms: LeaseTerms,
         provider_sig: Vec<u8>,
         requester_sig: Vec<u8>,
-    ) -> Result<Result<LeaseRecord, String>, NodeError> {
+    ) -> Result<Result<LeaseRecord, LeaseOpError>, NodeError> {
         self.ask(|reply| Command::RecordLease {
             terms,
             provider_sig,
@@ -162,7 +162,7 @@ impl LoopClient {
     pub async fn apply_renewal(
         &self,
         signed: SignedRenewal,
-    ) -> Result<Result<LeaseRecord, String>, NodeError> {
+    ) -> Result<Result<LeaseRecord, LeaseOpError>, NodeError> {
         self.ask(|reply| Command::ApplyRenewal { signed, reply })
             .await
     }
@@ -180,7 +180,7 @@ impl LoopClient {
     pub async fn resolve_lease(
         &self,
         prefix: String,
-    ) -> Result<Result<LeaseRecord, String>, NodeError> {
+    ) -> Result<Result<LeaseRecord, LeaseOpError>, NodeError> {
         self.ask(|reply| Command::ResolveLease { prefix, reply })
             .await
     }

@@ -13,7 +13,9 @@ use crate::inventory::InventorySnapshot;
 use crate::lease::book::SignedRenewal;
 use crate::lease::codec::InboundLease;
 use crate::lease::desk::LocalCancel;
-use crate::lease::{persist, Capacity, Effects, GpuSlot, LeaseRecord};
+use crate::lease::{
+    persist, Capacity, Effects, GpuSlot, LeaseOpError, LeaseRecord, LeaseSendError,
+};
 use gpunode_protocol::gpu::GpuState;
 
 type LeaseEvent = request_response::Event<InboundLease, LeaseReply>;
@@ -47,18 +49,26 @@ impl EventLoop {
                 peer,
                 ..
             } => {
-                if matches!(
+                let transport = matches!(
                     error,
-                    request_response::OutboundFailure::ConnectionClosed
+                    request_response::OutboundFailure::DialFailure
+                        | request_response::OutboundFailure::ConnectionClosed
                         | request_response::OutboundFailure::Io(_)
                         | request_response::OutboundFailure::Timeout
-                ) {
+                );
+                let reconnect =
+                    transport && !matches!(error, request_response::OutboundFailure::DialFailure);
+                if reconnect {
                     // The peer may have crashed and come back: drop every connection we
                     // think we have, so the next message dials afresh.
                     let _ = self.swarm.disconnect_peer_id(peer);
                 }
                 if let Some(reply) = self.lease_out.remove(&request_id) {
-                    let _ = reply.send(Err(format!("peer {peer} did not answer: {error}")));
+                    let _ = reply.send(Err(LeaseSendError {
+                        peer,
+                        reason: error.to_string(),
+                        transport,
+                    }));
                 }
             }
             request_response::Event::InboundFailure { peer, error, .. } => {
@@ -168,7 +178,7 @@ impl EventLoop {
         peer: PeerId,
         addrs: Vec<libp2p::Multiaddr>,
         message: LeaseMessage,
-        reply: tokio::sync::oneshot::Sender<Result<LeaseReply, String>>,
+        reply: tokio::sync::oneshot::Sender<Result<LeaseReply, LeaseSendError>>,
     ) {
         if !addrs.is_empty() && !self.connections.contains_key(&peer) {
             // The addresses come from the peer's newest signed advert: they replace what
@@ -194,7 +204,7 @@ impl EventLoop {
         terms: gpunode_protocol::lease::LeaseTerms,
         provider_sig: Vec<u8>,
         requester_sig: Vec<u8>,
-    ) -> Result<LeaseRecord, String> {
+    ) -> Result<LeaseRecord, LeaseOpError> {
         let (result, effects) =
             self.desk
                 .record_requester_lease(terms, provider_sig, requester_sig, now_ms());
@@ -203,7 +213,10 @@ impl EventLoop {
     }
 
     /// Applies a renewal both parties signed, durably.
-    pub(super) fn apply_renewal(&mut self, signed: SignedRenewal) -> Result<LeaseRecord, String> {
+    pub(super) fn apply_renewal(
+        &mut self,
+        signed: SignedRenewal,
+    ) -> Result<LeaseRecord, LeaseOpError> {
         let (result, effects) = self.desk.apply_renewal(signed, now_ms());
         self.carry_out_durably(effects)?;
         result
@@ -214,15 +227,17 @@ impl EventLoop {
     pub(super) fn cancel_local(&mut self, prefix: &str) -> Result<LocalCancel, Rejection> {
         let (result, effects) = self.desk.cancel_local(prefix, now_ms());
         self.carry_out_durably(effects)
-            .map_err(|m| Rejection::new(RejectCode::WrongState, m))?;
+            .map_err(|e| Rejection::new(RejectCode::WrongState, e.to_string()))?;
         result
     }
 
     /// [`Self::carry_out`], failing when the changes could not be made durable.
-    fn carry_out_durably(&mut self, mut effects: Effects) -> Result<(), String> {
+    fn carry_out_durably(&mut self, mut effects: Effects) -> Result<(), LeaseOpError> {
         effects.flush_now = false;
         self.carry_out(effects);
-        self.store.flush().map_err(|e| e.to_string())
+        self.store
+            .flush()
+            .map_err(|e| LeaseOpError::Store(e.to_string()))
     }
 }
 

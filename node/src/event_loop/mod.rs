@@ -42,7 +42,7 @@ pub(crate) use swarm::dial_bootstrap;
 
 use crate::adverts::{AdvertBook, LocalOffer};
 use crate::inventory::InventorySnapshot;
-use crate::lease::{LeaseDesk, LeaseRecord};
+use crate::lease::{LeaseDesk, LeaseOpError, LeaseRecord, LeaseSendError};
 use crate::loop_client::Command;
 use crate::metrics::Metrics;
 use crate::network::NodeBehaviour;
@@ -76,7 +76,7 @@ pub(crate) struct EventLoop {
     desk: LeaseDesk,
     /// How peers stand with this node (team and accounts), for the desk.
     standings: PeerStandings,
-    lease_out: HashMap<OutboundRequestId, oneshot::Sender<Result<LeaseReply, String>>>,
+    lease_out: HashMap<OutboundRequestId, oneshot::Sender<Result<LeaseReply, LeaseSendError>>>,
     lease_replies: Vec<(ResponseChannel<LeaseReply>, LeaseReply)>,
     lease_jobs: crate::jobs::LeaseJobs,
     accounts: Arc<crate::Accounts>,
@@ -237,11 +237,9 @@ impl EventLoop {
             }
             Command::ResolveLease { prefix, reply } => {
                 let book = self.desk.book();
-                let r = book.resolve(&prefix).and_then(|id| {
-                    book.get(&id)
-                        .cloned()
-                        .ok_or_else(|| "lease vanished".into())
-                });
+                let r = book
+                    .resolve(&prefix)
+                    .and_then(|id| book.get(&id).cloned().ok_or(LeaseOpError::Vanished));
                 let _ = reply.send(r);
             }
             Command::IsConnected { peer, reply } => {

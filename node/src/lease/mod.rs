@@ -10,11 +10,13 @@
 pub mod book;
 pub mod codec;
 pub mod desk;
+pub mod errors;
 pub mod negotiate;
 pub mod persist;
 pub mod policy;
 
 pub use book::{LeaseBook, LeaseRecord, LeaseRole, LeaseState};
 pub use desk::{Effects, LeaseDesk, Standings};
+pub use errors::{LeaseOpError, LeaseSendError};
 pub use negotiate::describe_place;
 pub use policy::{Capacity, GpuSlot, LeasePolicy};

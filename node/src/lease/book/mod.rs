@@ -14,6 +14,7 @@ mod checks;
 mod expiry;
 mod records;
 
+use super::errors::LeaseOpError;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use gpunode_protocol::lease::{
@@ -125,7 +126,7 @@ impl LeaseBook {
     }
 
     /// Finds the lease whose id starts with `prefix` (hex), if exactly one does.
-    pub fn resolve(&self, prefix: &str) -> Result<LeaseId, String> {
+    pub fn resolve(&self, prefix: &str) -> Result<LeaseId, LeaseOpError> {
         let prefix = prefix.trim().to_ascii_lowercase();
         if let Ok(id) = prefix.parse::<LeaseId>() {
             if self.leases.contains_key(&id) {
@@ -133,9 +134,7 @@ impl LeaseBook {
             }
         }
         if prefix.len() < 4 {
-            return Err(format!(
-                "lease id '{prefix}' is too short: give at least 4 hex digits"
-            ));
+            return Err(LeaseOpError::TooShort(prefix));
         }
         let matches: Vec<LeaseId> = self
             .leases
@@ -145,12 +144,8 @@ impl LeaseBook {
             .collect();
         match matches.as_slice() {
             [one] => Ok(*one),
-            [] => Err(format!(
-                "no lease '{prefix}' on this node (see `gpunode leases`)"
-            )),
-            _ => Err(format!(
-                "lease id '{prefix}' is ambiguous: give more digits"
-            )),
+            [] => Err(LeaseOpError::Unknown(prefix)),
+            _ => Err(LeaseOpError::Ambiguous(prefix)),
         }
     }
 
@@ -422,12 +417,10 @@ impl LeaseBook {
         provider_sig: Vec<u8>,
         requester_sig: Vec<u8>,
         now: UnixMillis,
-    ) -> Result<(), String> {
+    ) -> Result<(), LeaseOpError> {
         let id = terms.lease_id;
         if self.leases.contains_key(&id) {
-            return Err(format!(
-                "the provider chose lease id {id}, which this node already holds; refused"
-            ));
+            return Err(LeaseOpError::IdTaken(id));
         }
         let start_ms = terms.start_ms;
         self.put(LeaseRecord {

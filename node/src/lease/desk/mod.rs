@@ -32,6 +32,7 @@ use libp2p::PeerId;
 
 use super::book::{Advertised, Change, SignedRenewal};
 use super::codec::InboundLease;
+use super::errors::LeaseOpError;
 use super::{LeaseBook, LeaseRecord, LeaseRole};
 use crate::owner::{LendingHours, OwnerPolicy};
 pub use owner::OwnerRules;
@@ -389,7 +390,7 @@ impl LeaseDesk {
         let id = self
             .book
             .resolve(prefix)
-            .map_err(|m| Rejection::new(RejectCode::UnknownLease, m))?;
+            .map_err(|e| Rejection::new(RejectCode::UnknownLease, e.to_string()))?;
         let cancellation = Cancellation {
             lease_id: id,
             by: self.local,
@@ -443,16 +444,13 @@ impl LeaseDesk {
         provider_sig: Vec<u8>,
         requester_sig: Vec<u8>,
         now: UnixMillis,
-    ) -> (Result<LeaseRecord, String>, Effects) {
+    ) -> (Result<LeaseRecord, LeaseOpError>, Effects) {
         self.tracked(now, |desk, effects| {
             effects.flush_now = true;
             let id = terms.lease_id;
             desk.book
                 .record_requester_lease(terms, provider_sig, requester_sig, now)?;
-            desk.book
-                .get(&id)
-                .cloned()
-                .ok_or_else(|| "lease vanished".to_string())
+            desk.book.get(&id).cloned().ok_or(LeaseOpError::Vanished)
         })
     }
 
@@ -461,17 +459,14 @@ impl LeaseDesk {
         &mut self,
         signed: SignedRenewal,
         now: UnixMillis,
-    ) -> (Result<LeaseRecord, String>, Effects) {
+    ) -> (Result<LeaseRecord, LeaseOpError>, Effects) {
         self.tracked(now, |desk, effects| {
             effects.flush_now = true;
             let id = signed.renewal.lease_id;
             desk.book
                 .apply_renewal(signed, now)
-                .map_err(|r| r.message)?;
-            desk.book
-                .get(&id)
-                .cloned()
-                .ok_or_else(|| "lease vanished".to_string())
+                .map_err(LeaseOpError::Refused)?;
+            desk.book.get(&id).cloned().ok_or(LeaseOpError::Vanished)
         })
     }
 

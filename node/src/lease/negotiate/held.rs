@@ -28,7 +28,7 @@ impl Negotiator {
             .client
             .resolve_lease(prefix)
             .await?
-            .map_err(LeaseError::NotFound)?;
+            .map_err(|e| LeaseError::NotFound(e.to_string()))?;
         if record.role != LeaseRole::Requester {
             return Err(LeaseError::Invalid(
                 "only the requester renews a lease; this node is its provider".into(),
@@ -70,12 +70,12 @@ impl Negotiator {
                     .client
                     .apply_renewal(signed)
                     .await?
-                    .map_err(LeaseError::Invalid)?;
+                    .map_err(|e| LeaseError::Invalid(e.to_string()))?;
                 Ok(LeaseView::from(&record))
             }
             Ok(LeaseReply::Rejected(r)) => Err(LeaseError::Refused(r)),
             Ok(other) => Err(LeaseError::Invalid(format!("unexpected answer {other:?}"))),
-            Err(e) => Err(LeaseError::Invalid(e)),
+            Err(e) => Err(LeaseError::Invalid(e.to_string())),
         }
     }
 
@@ -110,7 +110,7 @@ impl Negotiator {
             Ok(LeaseReply::Rejected(r)) if r.code == RejectCode::WrongState => (true, None),
             Ok(LeaseReply::Rejected(r)) => (false, Some(r.message)),
             Ok(other) => (false, Some(format!("unexpected answer {other:?}"))),
-            Err(e) => (false, Some(e)),
+            Err(e) => (false, Some(e.to_string())),
         };
         Ok(CancelOutcome {
             lease: LeaseView::from(&record),

@@ -8,6 +8,7 @@ mod candidates;
 mod held;
 mod offers;
 
+use crate::lease::LeaseSendError;
 use std::time::Duration;
 
 use gpunode_protocol::lease::{
@@ -37,11 +38,11 @@ enum NotGranted {
 impl NotGranted {
     /// What an answer other than the one hoped for means: the provider's refusal, the
     /// exchange's failure, or an answer out of turn.
-    fn from_answer(answer: Result<LeaseReply, String>) -> NotGranted {
+    fn from_answer(answer: Result<LeaseReply, LeaseSendError>) -> NotGranted {
         match answer {
             Ok(LeaseReply::Rejected(r)) => NotGranted::Refused(r.message),
             Ok(other) => NotGranted::Refused(format!("unexpected answer {other:?}")),
-            Err(e) => NotGranted::Refused(e),
+            Err(e) => NotGranted::Refused(e.to_string()),
         }
     }
 }
@@ -105,7 +106,7 @@ impl Negotiator {
         peer: PeerId,
         addrs: Vec<Multiaddr>,
         message: LeaseMessage,
-    ) -> Result<Result<LeaseReply, String>, NodeError> {
+    ) -> Result<Result<LeaseReply, LeaseSendError>, NodeError> {
         let mut attempt = 0;
         loop {
             attempt += 1;
@@ -117,7 +118,7 @@ impl Negotiator {
                 // A dial already under way to an address the peer no longer uses, or a
                 // connection that died with the peer (a crash and restart), fails an
                 // attempt; the next one opens a fresh connection.
-                Err(e) if attempt < 3 && is_transport_failure(&e) => {
+                Err(e) if attempt < 3 && e.transport => {
                     tokio::time::sleep(Duration::from_millis(300)).await;
                 }
                 other => return Ok(other),
@@ -216,7 +217,7 @@ impl Negotiator {
         // Both signatures were just checked (the provider's in check_offer, ours made here).
         Ok(record
             .map(|r| LeaseView::with_signatures(&r, (true, true)))
-            .map_err(NotGranted::Refused))
+            .map_err(|e| NotGranted::Refused(e.to_string())))
     }
 
     /// The request for `spec` at `max_price`, sent now and valid for [`REQUEST_TTL_MS`].
@@ -308,13 +309,4 @@ fn price_limit(spec: &LeaseSpec) -> Result<Option<u64>, LeaseError> {
         Some(p) => Ok(Some((p * 1000.0).round() as u64)),
         None => Ok(None),
     }
-}
-
-/// Failures of the connection rather than refusals by the peer: worth one more try.
-fn is_transport_failure(error: &str) -> bool {
-    let e = error.to_ascii_lowercase();
-    e.contains("dial")
-        || e.contains("connection")
-        || e.contains("timeout")
-        || e.contains("timed out")
 }
