@@ -168,3 +168,7 @@ impl Router {
         }))
     }
 }
+
+#[cfg(test)]
+#[path = "router_tests.rs"]
+mod tests;
