@@ -116,8 +116,9 @@ pub struct NodeConfig {
     /// (keep running) or `suspend` (pause until the owner leaves).
     pub owner_policy: crate::owner::OwnerPolicy,
     /// How this provider orders lease requests waiting for GPUs: `fair` (team priority,
-    /// fair share, short jobs first, with backfill; see docs/scheduling.md) or `fcfs`
-    /// (first come, first served, nobody passes: for comparison).
+    /// fair share, short jobs first, with backfill; see docs/scheduling.md), `fcfs`
+    /// (first come, first served, nobody passes) or `easy` (first come, first served with
+    /// EASY backfill: the benchmarks' baseline).
     pub queue_order: QueueOrder,
     /// How long jobs may go on beside the owner before `yield` stops them.
     #[serde(deserialize_with = "de_duration")]
@@ -449,6 +450,8 @@ pub enum QueueOrder {
     Fair,
     /// First come, first served.
     Fcfs,
+    /// First come, first served with EASY backfill (the benchmarks' baseline).
+    Easy,
 }
 
 impl From<QueueOrder> for gpunode_sched::Order {
@@ -456,6 +459,7 @@ impl From<QueueOrder> for gpunode_sched::Order {
         match o {
             QueueOrder::Fair => gpunode_sched::Order::Fair,
             QueueOrder::Fcfs => gpunode_sched::Order::Fcfs,
+            QueueOrder::Easy => gpunode_sched::Order::Easy,
         }
     }
 }

@@ -93,7 +93,10 @@ impl Queue {
     /// Places every live request on `gpus`, in serving order: each gets the earliest
     /// time at which enough of its eligible GPUs are free for its whole declared time
     /// without touching a reservation or the place of any request ranked above it. Under
-    /// [`Order::Fcfs`] nobody starts before a request that arrived earlier.
+    /// [`Order::Fcfs`] nobody starts before a request that arrived earlier. Under
+    /// [`Order::Easy`] only the first request keeps its place ahead; a later one is
+    /// placed only if it starts now without touching that place (it gets no estimate
+    /// otherwise).
     ///
     /// Only the first `depth` requests are placed (the rest wait without an estimate and
     /// cannot start), which bounds the work per plan like Slurm's `bf_max_job_test`.
@@ -142,6 +145,13 @@ impl Queue {
                 placements.push(place);
                 continue;
             };
+            if self.order() == Order::Easy && i > 0 && start > now {
+                place.reason = format!(
+                    "{i} request(s) arrived earlier; it starts when it fits without delaying the first (EASY backfill)"
+                );
+                placements.push(place);
+                continue;
+            }
             let end_of = |t: Millis| t.saturating_add(req.duration_ms);
             for ix in &chosen {
                 held.entry(*ix).or_default().push((start, end_of(start)));
@@ -391,6 +401,26 @@ mod tests {
         // GPU 0 is free now, but the short job may not pass the wide one.
         assert_eq!(plan.get(&Ticket(2)).unwrap().start_ms, Some(90 * MIN));
         assert_eq!(plan.starting_now(now).count(), 0);
+    }
+
+    #[test]
+    fn easy_backfills_short_jobs_that_do_not_delay_the_first() {
+        let fair = FairShare::new(3_600_000);
+        let now = 0;
+        let gpus = [gpu(0, now), gpu(1, now + 30 * MIN)];
+        let mut q = Queue::new(Order::Easy, u64::MAX);
+        q.upsert(req(1, "wide", 2, 60 * MIN, &[0, 1]), now);
+        q.upsert(req(2, "short", 1, 20 * MIN, &[0, 1]), now + 1);
+        q.upsert(req(3, "long", 1, 40 * MIN, &[0, 1]), now + 2);
+        let plan = q.plan(&gpus, &fair, now, 64);
+        // The first keeps its reservation; the short one ends before it and starts now.
+        assert_eq!(plan.get(&Ticket(1)).unwrap().start_ms, Some(30 * MIN));
+        assert_eq!(plan.get(&Ticket(2)).unwrap().start_ms, Some(now));
+        // The long one would delay the first: it waits, without a reservation of its own.
+        let long = plan.get(&Ticket(3)).unwrap();
+        assert_eq!(long.start_ms, None);
+        assert!(long.reason.contains("EASY"), "{}", long.reason);
+        assert_eq!(plan.starting_now(now).count(), 1);
     }
 
     #[test]

@@ -18,8 +18,13 @@ pub enum Order {
     /// time, then arrival; later requests may start early only where that delays no
     /// request ranked above them (conservative backfill).
     Fair,
-    /// First come, first served, nobody passes: the baseline the benchmarks compare with.
+    /// First come, first served, nobody passes.
     Fcfs,
+    /// First come, first served with EASY backfill (Slurm's default `sched/backfill`
+    /// with `priority/basic`): only the first waiting request holds a reservation, and a
+    /// later one may start now if it does not delay that reservation. The baseline the
+    /// benchmarks compare with.
+    Easy,
 }
 
 /// How the requester stands with this provider, as the provider sees it now.
@@ -175,7 +180,7 @@ impl Queue {
         let mut list: Vec<&Entry> = self.entries.values().collect();
         match self.order {
             Order::Fair => list.sort_by_cached_key(|e| Self::fair_key(e, fair, now)),
-            Order::Fcfs => list.sort_by_key(|e| (e.arrived_ms, e.seq)),
+            Order::Fcfs | Order::Easy => list.sort_by_key(|e| (e.arrived_ms, e.seq)),
         }
         list
     }

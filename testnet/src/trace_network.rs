@@ -85,6 +85,10 @@ fn fcfs(_: usize, c: &mut NodeConfig) {
     c.queue_order = QueueOrder::Fcfs;
 }
 
+fn easy(_: usize, c: &mut NodeConfig) {
+    c.queue_order = QueueOrder::Easy;
+}
+
 /// When one job was submitted, started and ended.
 struct Timing {
     user: String,
@@ -161,8 +165,10 @@ async fn start_network(
     let mut net = TestNet::configured(TestNetConfig::new(specs))
         .with_clients(users.max(1) as usize)
         .clients_see_offers(Duration::from_secs(60));
-    if order == QueueOrder::Fcfs {
-        net = net.tweak(fcfs);
+    match order {
+        QueueOrder::Fcfs => net = net.tweak(fcfs),
+        QueueOrder::Easy => net = net.tweak(easy),
+        QueueOrder::Fair => {}
     }
     net.start().await
 }
@@ -274,6 +280,7 @@ fn report(
         order: match order {
             QueueOrder::Fair => "fair",
             QueueOrder::Fcfs => "fcfs",
+            QueueOrder::Easy => "fcfs+easy",
         },
         jobs: timings.len(),
         succeeded: timings.iter().filter(|t| t.ok).count(),

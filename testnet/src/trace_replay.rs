@@ -523,6 +523,7 @@ impl<'a> Replay<'a> {
             order: match order {
                 Order::Fair => "fair",
                 Order::Fcfs => "fcfs",
+                Order::Easy => "fcfs+easy",
             },
             jobs: self.jobs.len(),
             nodes: self.nodes.len(),
@@ -588,6 +589,13 @@ mod tests {
             "{fair:?}"
         );
         assert_eq!(fair.p95_wait_s, 99.0, "the wide job's wait is the longest");
+        // EASY backfill: the short ones also pass the wide one here, because each ends
+        // before the wide job's reservation.
+        let easy = replay(&jobs, &nodes, Order::Easy, cfg);
+        assert!(
+            (easy.mean_wait_s - (0.0 + 99.0 + 0.0 + 9.0 + 18.0) / 5.0).abs() < 1e-6,
+            "{easy:?}"
+        );
     }
 
     #[test]

@@ -426,7 +426,11 @@ fn trace_replay(
         list.truncate(jobs);
     }
     let nodes = trace_nodes(traces, gpus)?;
-    for order in [gpunode_sched::Order::Fair, gpunode_sched::Order::Fcfs] {
+    for order in [
+        gpunode_sched::Order::Fair,
+        gpunode_sched::Order::Easy,
+        gpunode_sched::Order::Fcfs,
+    ] {
         let config = tr::ReplayConfig {
             depth,
             overestimate,
@@ -452,6 +456,7 @@ fn trace_network(
     let rt = runtime()?;
     for order in [
         gpunode_node::config::QueueOrder::Fair,
+        gpunode_node::config::QueueOrder::Easy,
         gpunode_node::config::QueueOrder::Fcfs,
     ] {
         print(&rt.block_on(tn::replay_network(&window, &nodes, order, cfg))?)?;
