@@ -32,10 +32,8 @@ pub(crate) struct HandleParts {
 #[derive(Clone, Debug)]
 pub struct NodeHandle {
     peer_id: PeerId,
-    client: LoopClient,
     link: PeerLink,
     negotiator: lease::negotiate::Negotiator,
-    metrics: Arc<Metrics>,
     /// This user's jobs.
     jobs: jobs::table::JobTable,
     /// Runs this user's jobs.
@@ -51,7 +49,7 @@ impl NodeHandle {
         let negotiator = lease::negotiate::Negotiator::new(client.clone(), parts.keypair);
         NodeHandle {
             peer_id: parts.peer_id,
-            link: PeerLink::new(client.clone(), parts.control.clone(), parts.metrics.clone()),
+            link: PeerLink::new(client, parts.control.clone(), parts.metrics),
             requester: jobs::requester::Requester::new(
                 negotiator.clone(),
                 parts.accounts.clone(),
@@ -59,9 +57,7 @@ impl NodeHandle {
                 parts.executor,
                 parts.team.is_some(),
             ),
-            client,
             negotiator,
-            metrics: parts.metrics,
             jobs: jobs::table::JobTable::default(),
             accounts: parts.accounts,
             team: parts.team,
@@ -80,7 +76,7 @@ impl NodeHandle {
 
     /// The node's metrics.
     pub fn metrics(&self) -> &Arc<Metrics> {
-        &self.metrics
+        self.link.metrics()
     }
 
     /// The node's team, when it is in one.
@@ -96,7 +92,7 @@ impl NodeHandle {
     /// Tells the event loop who may connect (team mode): the others are dropped and
     /// their leases cancelled.
     pub async fn set_team_allowed(&self, peers: std::collections::HashSet<PeerId>) {
-        self.client.set_team_allowed(peers).await;
+        self.link.client().set_team_allowed(peers).await;
     }
 
     /// The node's ledger, reputation and usage meters.
@@ -106,7 +102,7 @@ impl NodeHandle {
 
     /// The door to the event loop.
     pub fn loop_client(&self) -> &LoopClient {
-        &self.client
+        self.link.client()
     }
 
     /// The requester's side of lease negotiation.
@@ -236,7 +232,7 @@ impl NodeHandle {
         &self,
         id: &gpunode_protocol::lease::LeaseId,
     ) -> Result<Option<lease::LeaseRecord>, NodeError> {
-        self.client.lease(id).await
+        self.link.client().lease(id).await
     }
 
     /// Starts a job in the background; follow it with [`NodeHandle::job_events`].
@@ -289,12 +285,12 @@ impl NodeHandle {
         &self,
         ids: Vec<gpunode_protocol::lease::LeaseId>,
     ) -> Result<Vec<Option<lease::LeaseRecord>>, NodeError> {
-        self.client.leases_by_id(ids).await
+        self.link.client().leases_by_id(ids).await
     }
 
     /// Every lease this node knows, with its signatures.
     pub async fn list_lease_records(&self) -> Result<Vec<lease::LeaseRecord>, NodeError> {
-        self.client.list_leases().await
+        self.link.client().list_leases().await
     }
 
     /// This user's jobs, newest first.
@@ -324,7 +320,7 @@ impl NodeHandle {
 
     /// The node's status.
     pub async fn status(&self) -> Result<NodeStatus, NodeError> {
-        let mut status = self.client.status().await?;
+        let mut status = self.link.client().status().await?;
         status.team = self.team.as_ref().map(|t| t.state().team.to_string());
         Ok(status)
     }
@@ -336,12 +332,12 @@ impl NodeHandle {
 
     /// Like [`NodeHandle::find_offers`], with the number of providers and DHT requests.
     pub async fn search_offers(&self, filter: OfferFilter) -> Result<OfferSearch, NodeError> {
-        self.client.search_offers(filter).await
+        self.link.client().search_offers(filter).await
     }
 
     /// Asks the node to withdraw its advert, flush and stop.
     pub async fn shutdown(&self) -> Result<(), NodeError> {
-        self.client.shutdown().await
+        self.link.client().shutdown().await
     }
 
     /// Waits until the node has at least `peers` peers in its routing table.

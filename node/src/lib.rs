@@ -44,7 +44,7 @@ pub use error::NodeError;
 pub use handle::NodeHandle;
 use inventory::GpuInventory;
 pub use lease::negotiate::LeaseError;
-pub use ledger::settle::{Accounts, Misbehaviour};
+pub use ledger::accounts::{Accounts, Misbehaviour};
 pub use loop_client::LoopClient;
 pub use metrics::Metrics;
 pub use views::{CancelOutcome, LeaseSpec, LeaseView, NodeStatus, OfferSearch, OfferView};

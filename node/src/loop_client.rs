@@ -187,7 +187,7 @@ impl LoopClient {
 
     /// A lease by id, if this node has it.
     pub async fn lease(&self, id: &LeaseId) -> Result<Option<LeaseRecord>, NodeError> {
-        Ok(self.resolve_lease(id.to_string()).await?.ok())
+        Ok(self.leases_by_id(vec![*id]).await?.pop().flatten())
     }
 
     /// Every lease this node knows.

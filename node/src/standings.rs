@@ -11,7 +11,7 @@ use gpunode_sched::Standing;
 use libp2p::PeerId;
 
 use crate::lease::Standings;
-use crate::ledger::settle::Accounts;
+use crate::ledger::accounts::Accounts;
 use crate::team::service::Team;
 
 /// This node's view of its peers.

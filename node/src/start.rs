@@ -12,7 +12,7 @@ use tokio::task::JoinHandle;
 
 use crate::event_loop::{self, EventLoop, LoopParts};
 use crate::inventory::{self, GpuInventory, InventorySnapshot};
-use crate::ledger::settle::{Accounts, CreditPolicy};
+use crate::ledger::accounts::{Accounts, CreditPolicy};
 use crate::ledger::LedgerWriter;
 use crate::network::{self, NodeBehaviour};
 use crate::poller::{host_cpu_cores, host_ram_bytes, poll_inventory, InventoryReader};
@@ -80,12 +80,15 @@ impl Node {
         let poller = poll_inventory(reader, config.inventory_poll, snap_tx, stop_rx);
         tasks.push(tokio::spawn(poller));
         let offer = local_offer(config, opts.role);
-        let in_team = team.is_some();
-        let desk = build_desk(&opts, &store, &keypair, &first_snapshot, &offer, in_team)?;
-        let desk = lease::LeaseDesk::new(lease::desk::DeskParts { lending, ..desk });
-        let kad_protocol = team
-            .as_ref()
-            .map_or(network::KAD_PROTOCOL, |t| t.state().kad_protocol());
+        let desk = build_desk(
+            &opts,
+            &store,
+            &keypair,
+            &first_snapshot,
+            &offer,
+            team.is_some(),
+            lending,
+        )?;
         let event_loop = EventLoop::new(LoopParts {
             alerts: config.alert_rules(),
             swarm,
@@ -100,7 +103,6 @@ impl Node {
             lease_jobs: lease_jobs.clone(),
             accounts,
             ended_leases: ended_tx,
-            kad_protocol,
             team,
         });
         Ok(Node {
@@ -427,9 +429,9 @@ fn local_offer(config: &NodeConfig, role: Role) -> Option<(adverts::LocalOffer, 
     })
 }
 
-/// The lease desk's parts: the book restored from the store (what restoring changed is
-/// written back at once), the queue order and fair share, the owner's policy. Lending
-/// hours are set by the caller (they come with the inventory's owner rules).
+/// The lease desk: the book restored from the store (what restoring changed is written
+/// back at once), the queue order and fair share, lending hours (from the inventory's
+/// owner rules) and the owner's policy.
 fn build_desk(
     opts: &NodeOptions,
     store: &Store,
@@ -437,7 +439,8 @@ fn build_desk(
     first_snapshot: &InventorySnapshot,
     offer: &Option<(adverts::LocalOffer, Duration)>,
     in_team: bool,
-) -> Result<lease::desk::DeskParts, NodeError> {
+    lending: crate::owner::LendingHours,
+) -> Result<lease::LeaseDesk, NodeError> {
     let config = &opts.config;
     let policy = lease::LeasePolicy {
         max_duration_ms: config.max_lease_duration.as_millis() as u64,
@@ -469,13 +472,13 @@ fn build_desk(
     let restored = book.take_changes();
     lease::persist::write(store, &book, &restored)?;
     store.flush()?;
-    Ok(lease::desk::DeskParts {
+    Ok(lease::LeaseDesk::new(lease::desk::DeskParts {
         book,
         keypair: keypair.clone(),
         order: config.queue_order.into(),
         fair_share: lease::persist::load_fair_share(store),
-        lending: Default::default(),
+        lending,
         owner: (config.owner_policy, config.owner_grace.as_millis() as u64),
         fixed_lease_id: opts.misbehaviour.fixed_lease_id,
-    })
+    }))
 }

@@ -110,9 +110,7 @@ pub(crate) struct LoopParts {
     pub accounts: Arc<crate::Accounts>,
     /// Leases we provided that ended, for settlement.
     pub ended_leases: mpsc::Sender<LeaseRecord>,
-    /// Kademlia's protocol name.
-    pub kad_protocol: libp2p::StreamProtocol,
-    /// The node's team.
+    /// The node's team (its Kademlia protocol name, its policy).
     pub team: Option<Arc<crate::team::service::Team>>,
     /// GPU alert thresholds and hook.
     pub alerts: crate::alerts::AlertRules,
@@ -149,7 +147,10 @@ impl EventLoop {
             accounts: parts.accounts,
             ended_leases: parts.ended_leases,
             rtts: HashMap::new(),
-            kad_protocol: parts.kad_protocol,
+            kad_protocol: parts
+                .team
+                .as_ref()
+                .map_or(crate::network::KAD_PROTOCOL, |t| t.state().kad_protocol()),
             team: parts.team,
             alerts: crate::alerts::AlertWatch::new(parts.alerts),
         }

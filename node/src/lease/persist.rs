@@ -96,3 +96,36 @@ pub fn load(store: &Store) -> Result<(Vec<LeaseRecord>, Vec<SpentNonce>), StoreE
     }
     Ok((leases, nonces))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lease::desk::FAIR_SHARE_HALF_LIFE_MS;
+    use gpunode_sched::FairShare;
+
+    #[test]
+    fn fair_share_usage_survives_a_restart() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let now = 1_800_000_000_000;
+        {
+            let store = Store::open(dir.path()).expect("store");
+            let mut fair = FairShare::new(FAIR_SHARE_HALF_LIFE_MS);
+            let mut charge = |user: &str, gpu_ms: f64| {
+                fair.charge(user, gpu_ms, now);
+                write_fair_share(&store, user, fair.entry(user).as_ref()).expect("write");
+            };
+            charge("heavy", 3_600_000.0 * 8.0);
+            charge("light", 1_000.0);
+            // Given back entirely: nothing left to keep.
+            charge("light", -1_000.0);
+            store.flush().expect("flush");
+        }
+        let store = Store::open(dir.path()).expect("reopen");
+        let mut fair = FairShare::new(FAIR_SHARE_HALF_LIFE_MS);
+        for (user, (usage, at)) in load_fair_share(&store) {
+            fair.restore(&user, usage, at);
+        }
+        assert!((fair.usage_gpu_ms("heavy", now) - 28_800_000.0).abs() < 1e-3);
+        assert_eq!(fair.usage_gpu_ms("light", now), 0.0);
+    }
+}

@@ -29,8 +29,7 @@ use crate::lease::LeaseRecord;
 use crate::loop_client::PeerLink;
 use crate::router::framing;
 
-pub use super::accounts::{Accounts, CreditPolicy, Misbehaviour};
-pub use super::claims::{ReceiptStatus, UnsettledView};
+use super::accounts::Accounts;
 
 /// The settlement stream protocol.
 pub const SETTLE_PROTOCOL: StreamProtocol = StreamProtocol::new("/gpunode/settle/1.0.0");

@@ -8,7 +8,7 @@ use libp2p::PeerId;
 use serde::{Deserialize, Serialize};
 
 use super::chain::VerifyReport;
-use super::settle::UnsettledView;
+use super::claims::UnsettledView;
 use super::{credits, EntryView, LedgerError};
 
 /// The ledger at a glance.
@@ -101,7 +101,7 @@ fn csv_field(s: &str) -> String {
     }
 }
 
-impl super::settle::Accounts {
+impl super::accounts::Accounts {
     /// Balances, the `recent` newest entries and unsettled claims.
     pub fn ledger_view(&self, recent: usize) -> Result<LedgerView, LedgerError> {
         let a = self;

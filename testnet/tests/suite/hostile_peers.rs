@@ -208,8 +208,8 @@ async fn forged_oversized_and_garbage_records_are_refused_and_counted() {
 mod attacks {
     use std::time::Duration;
 
-    use gpunode_node::ledger::settle::Misbehaviour;
     use gpunode_node::LeaseSpec;
+    use gpunode_node::Misbehaviour;
     use gpunode_node::{LeaseError, NodeConfig};
     use testnet::jobs::{request, run_to_end, task};
     use testnet::TestNet;

@@ -18,8 +18,8 @@ use tokio::sync::watch;
 
 use super::JOB_PROTOCOL;
 use super::{outputs, wire};
+use crate::ledger::claims::ReceiptStatus;
 use crate::ledger::reputation::Outcome;
-use crate::ledger::settle::ReceiptStatus;
 use crate::{LeaseError, LeaseSpec, LeaseView};
 
 pub(crate) use prepare::Prepared;
