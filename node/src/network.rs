@@ -52,6 +52,8 @@ pub struct NodeBehaviour {
     pub mdns: Toggle<mdns::tokio::Behaviour>,
     /// Lease negotiation.
     pub lease: request_response::Behaviour<LeaseCodec>,
+    /// Direct advert fetches (answering ours, asking others').
+    pub advert: request_response::Behaviour<crate::adverts::fetch::AdvertCodec>,
     /// Raw streams (the job protocol), driven from outside the event loop.
     pub stream: libp2p_stream::Behaviour,
 }
@@ -226,6 +228,7 @@ fn behaviour(
         ping: ping::Behaviour::default(),
         mdns: Toggle::from(mdns),
         lease,
+        advert: crate::adverts::fetch::behaviour(),
         stream: libp2p_stream::Behaviour::new(),
     })
 }

@@ -44,7 +44,9 @@ pub struct DiscoveryReport {
     pub complete_fraction: f64,
     /// Resident memory added per node, MiB.
     pub rss_per_node_mib: f64,
-    /// Seconds it took to start the network.
+    /// Seconds it took to start every node (each one has a peer in its routing table).
+    pub nodes_started_s: f64,
+    /// Seconds from start until every model's providers were all visible to the client.
     pub startup_s: f64,
 }
 
@@ -101,9 +103,15 @@ pub async fn discovery(n: usize, lookups: usize) -> Result<DiscoveryReport> {
     config.inventory_poll = Duration::from_secs(5);
     config.batch = 10;
     let net = TestNet::start(config).await?;
+    let nodes_started_s = started.elapsed().as_secs_f64();
     let client = net.new_client().await?;
     for (m, want) in expected.iter().enumerate() {
         wait_until_visible(&net, &client, m, *want).await?;
+        eprintln!(
+            "{} visible after {:.1} s",
+            BENCH_MODELS[m],
+            started.elapsed().as_secs_f64()
+        );
     }
     let startup_s = started.elapsed().as_secs_f64();
     let rss_per_node = (rss_bytes().saturating_sub(rss_before)) as f64 / n as f64;
@@ -134,6 +142,7 @@ pub async fn discovery(n: usize, lookups: usize) -> Result<DiscoveryReport> {
         median_dht_requests: requests[requests.len() / 2],
         complete_fraction: complete as f64 / lookups as f64,
         rss_per_node_mib: rss_per_node / (1024.0 * 1024.0),
+        nodes_started_s,
         startup_s,
     };
     net.shutdown().await;

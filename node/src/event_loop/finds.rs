@@ -1,53 +1,155 @@
-//! Offer queries: look up the providers of a capability key, then fetch and verify
-//! each provider's advert (stopping at the first valid copy, answered with the newest
-//! one this node has seen), and answer with the adverts that match the filter.
+//! Offer queries: look up the providers of a capability key and, as each provider is
+//! named, ask it for its advert directly (in parallel, over the connection the lookup
+//! opened or a new one). A provider that cannot be reached now is left out (a lease
+//! with it would fail too); one that does not serve its advert (an older build) is
+//! looked up in the DHT instead. The provider lookup stops once three responses agree
+//! or the responses pause; the query answers when every advert is in (or a short grace
+//! after the first, when some providers stay silent) with the adverts that match.
 
 use std::collections::{HashMap, HashSet};
+use std::time::Duration;
 
 use gpunode_protocol::advert::{
     advert_record_key, peer_of_advert_key, Advert, AdvertError, OfferFilter,
 };
 use gpunode_protocol::time::now_ms;
 use libp2p::kad::{self, QueryId, RecordKey};
+use libp2p::request_response::{self, OutboundRequestId};
 use libp2p::PeerId;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use super::{EventLoop, FIND_TIMEOUT};
+use crate::adverts::fetch::{AdvertAnswer, AdvertQuery};
 use crate::views::{OfferSearch, OfferView};
+
+/// Responses naming providers after which the provider lookup may stop, once the last
+/// [`QUIET_ANSWERS`] of them named nobody new: the nodes near the key agree.
+const SETTLED_ANSWERS: u32 = 3;
+const QUIET_ANSWERS: u32 = 2;
+/// How long the provider lookup may go without a new response, once one came, before it
+/// stops: the peers it still waits for are slow or gone (a dead peer's QUIC handshake
+/// takes seconds to time out).
+const ANSWER_GAP: Duration = Duration::from_millis(250);
+/// How long a query waits for silent providers once the lookup has settled and at least
+/// one advert is in (a dead provider's dial can take seconds to fail): three times as
+/// long as the first advert took, within these bounds.
+const STRAGGLER_GRACE_MIN: Duration = Duration::from_millis(100);
+const STRAGGLER_GRACE_MAX: Duration = Duration::from_secs(1);
+/// How long a query started before the routing table has any peer waits for one.
+const BOOTSTRAP_WAIT: Duration = Duration::from_secs(5);
 
 /// An offer query in progress.
 pub(super) struct PendingFind {
-    pub(super) filter: OfferFilter,
-    pub(super) reply: oneshot::Sender<OfferSearch>,
-    pub(super) providers: HashSet<PeerId>,
-    pub(super) dht_requests: u32,
-    pub(super) providers_done: bool,
-    pub(super) outstanding: usize,
-    pub(super) found: HashMap<PeerId, Advert>,
+    filter: OfferFilter,
+    reply: oneshot::Sender<OfferSearch>,
+    providers: HashSet<PeerId>,
+    dht_requests: u32,
+    /// Responses that named providers, and how many in a row named nobody new.
+    answers: u32,
+    quiet_answers: u32,
+    providers_done: bool,
+    /// The provider lookup, and when it stops if no further response comes.
+    provider_query: Option<QueryId>,
+    pub(super) lookup_settles_at: Option<Instant>,
+    outstanding: usize,
+    found: HashMap<PeerId, Advert>,
+    started: Instant,
+    /// How long the first advert took to arrive.
+    first_advert_after: Option<Duration>,
     pub(super) deadline: Instant,
 }
 
+impl PendingFind {
+    fn new(filter: OfferFilter, reply: oneshot::Sender<OfferSearch>) -> PendingFind {
+        PendingFind {
+            filter,
+            reply,
+            providers: HashSet::new(),
+            dht_requests: 0,
+            answers: 0,
+            quiet_answers: 0,
+            providers_done: false,
+            provider_query: None,
+            lookup_settles_at: None,
+            outstanding: 0,
+            found: HashMap::new(),
+            started: Instant::now(),
+            first_advert_after: None,
+            deadline: Instant::now() + FIND_TIMEOUT,
+        }
+    }
+}
+
+/// Offer queries that arrived while the routing table was still empty.
+#[derive(Default)]
+pub(super) struct ParkedFinds {
+    waiting: Vec<(OfferFilter, oneshot::Sender<OfferSearch>)>,
+    until: Option<Instant>,
+}
+
+impl ParkedFinds {
+    /// When the parked queries start even without a peer.
+    pub(super) fn deadline(&self) -> Option<Instant> {
+        self.until
+    }
+
+    /// Whether any query waits.
+    pub(super) fn is_empty(&self) -> bool {
+        self.waiting.is_empty()
+    }
+}
+
 impl EventLoop {
+    /// Starts an offer query, or parks it (at most [`BOOTSTRAP_WAIT`]) while the node is
+    /// new and knows no peer yet, so a `run` right after start does not find nothing.
     pub(super) fn start_find(&mut self, filter: OfferFilter, reply: oneshot::Sender<OfferSearch>) {
+        let young = self.started_at.elapsed() < BOOTSTRAP_WAIT;
+        if young && self.routing_table_size() == 0 {
+            let until = self.started_at + BOOTSTRAP_WAIT;
+            self.parked_finds.until = Some(until);
+            self.parked_finds.waiting.push((filter, reply));
+            return;
+        }
+        self.look_up_providers(filter, reply);
+    }
+
+    fn look_up_providers(&mut self, filter: OfferFilter, reply: oneshot::Sender<OfferSearch>) {
         let id = self.next_find;
         self.next_find += 1;
         let key = RecordKey::new(&filter.capability_key());
         let query = self.swarm.behaviour_mut().kad.get_providers(key);
         self.provider_queries.insert(query, id);
-        self.finds.insert(
-            id,
-            PendingFind {
-                filter,
-                reply,
-                providers: HashSet::new(),
-                dht_requests: 0,
-                providers_done: false,
-                outstanding: 0,
-                found: HashMap::new(),
-                deadline: Instant::now() + FIND_TIMEOUT,
-            },
-        );
+        let mut find = PendingFind::new(filter, reply);
+        find.provider_query = Some(query);
+        self.finds.insert(id, find);
+    }
+
+    /// Stops the provider lookups that heard nothing new for [`ANSWER_GAP`]; they end
+    /// with the providers named so far.
+    pub(super) fn settle_quiet_lookups(&mut self, now: Instant) {
+        let quiet: Vec<QueryId> = self
+            .finds
+            .values_mut()
+            .filter(|f| f.lookup_settles_at.is_some_and(|t| t <= now))
+            .filter_map(|f| {
+                f.lookup_settles_at = None;
+                f.provider_query
+            })
+            .collect();
+        for query in quiet {
+            if let Some(mut q) = self.swarm.behaviour_mut().kad.query_mut(&query) {
+                q.finish();
+            }
+        }
+    }
+
+    /// Starts the parked queries: the routing table has a peer, or the wait is over.
+    pub(super) fn release_parked_finds(&mut self) {
+        self.parked_finds.until = None;
+        for (filter, reply) in std::mem::take(&mut self.parked_finds.waiting) {
+            self.look_up_providers(filter, reply);
+        }
     }
 
     /// Fetches the adverts of known peers, as the second half of an offer query.
@@ -58,40 +160,43 @@ impl EventLoop {
     ) {
         let id = self.next_find;
         self.next_find += 1;
-        self.finds.insert(
-            id,
-            PendingFind {
-                filter: OfferFilter::default(),
-                reply,
-                providers: peers.iter().copied().collect(),
-                dht_requests: 0,
-                providers_done: false,
-                outstanding: 0,
-                found: HashMap::new(),
-                deadline: Instant::now() + FIND_TIMEOUT,
-            },
-        );
-        self.fetch_adverts(id);
+        let mut find = PendingFind::new(OfferFilter::default(), reply);
+        find.providers_done = true;
+        self.finds.insert(id, find);
+        for peer in peers {
+            self.fetch_advert(id, peer);
+        }
+        self.maybe_complete(id);
     }
 
-    fn fetch_adverts(&mut self, id: u64) {
+    /// Asks `peer` for its advert on behalf of query `id`, once per query.
+    fn fetch_advert(&mut self, id: u64, peer: PeerId) {
         let Some(find) = self.finds.get_mut(&id) else {
             return;
         };
-        find.providers_done = true;
-        let providers: Vec<PeerId> = find.providers.iter().copied().collect();
-        for peer in providers {
-            let q = self
-                .swarm
-                .behaviour_mut()
-                .kad
-                .get_record(RecordKey::new(&advert_record_key(&peer)));
-            self.record_queries.insert(q, (id, peer));
-            if let Some(find) = self.finds.get_mut(&id) {
-                find.outstanding += 1;
-            }
+        if peer == self.local_peer || !find.providers.insert(peer) {
+            return;
         }
-        self.maybe_complete(id);
+        find.outstanding += 1;
+        let request = self
+            .swarm
+            .behaviour_mut()
+            .advert
+            .send_request(&peer, AdvertQuery);
+        self.advert_fetches.insert(request, (id, peer));
+    }
+
+    /// Looks `peer`'s advert up in the DHT, for a provider that does not serve it.
+    fn fetch_advert_from_dht(&mut self, id: u64, peer: PeerId) {
+        if !self.finds.contains_key(&id) {
+            return;
+        }
+        let q = self
+            .swarm
+            .behaviour_mut()
+            .kad
+            .get_record(RecordKey::new(&advert_record_key(&peer)));
+        self.record_queries.insert(q, (id, peer));
     }
 
     pub(super) fn on_providers(
@@ -104,20 +209,135 @@ impl EventLoop {
         let Some(&id) = self.provider_queries.get(&query) else {
             return;
         };
-        if let Some(find) = self.finds.get_mut(&id) {
-            if last {
-                find.dht_requests += requests;
+        if let Ok(kad::GetProvidersOk::FoundProviders { providers, .. }) = result {
+            let named = !providers.is_empty();
+            let before = self.finds.get(&id).map_or(0, |f| f.providers.len());
+            for peer in providers {
+                self.fetch_advert(id, peer);
             }
-            if let Ok(kad::GetProvidersOk::FoundProviders { providers, .. }) = result {
-                find.providers
-                    .extend(providers.into_iter().filter(|p| *p != self.local_peer));
+            if let Some(find) = self.finds.get_mut(&id) {
+                if !find.providers.is_empty() {
+                    find.lookup_settles_at = Some(Instant::now() + ANSWER_GAP);
+                }
+                if named {
+                    find.answers += 1;
+                    if find.providers.len() == before {
+                        find.quiet_answers += 1;
+                    } else {
+                        find.quiet_answers = 0;
+                    }
+                }
+                let settled =
+                    find.answers >= SETTLED_ANSWERS && find.quiet_answers >= QUIET_ANSWERS;
+                if settled && !last {
+                    if let Some(mut q) = self.swarm.behaviour_mut().kad.query_mut(&query) {
+                        q.finish();
+                    }
+                }
             }
         }
         if !last {
             return;
         }
         self.provider_queries.remove(&query);
-        self.fetch_adverts(id);
+        if let Some(find) = self.finds.get_mut(&id) {
+            find.dht_requests += requests;
+            find.providers_done = true;
+            find.lookup_settles_at = None;
+        }
+        self.maybe_complete(id);
+    }
+
+    /// What the advert protocol reports: a peer asking for our advert, or the answer to
+    /// one of our fetches.
+    pub(super) fn on_advert_event(
+        &mut self,
+        event: request_response::Event<AdvertQuery, AdvertAnswer>,
+    ) {
+        match event {
+            request_response::Event::Message {
+                message: request_response::Message::Request { channel, .. },
+                ..
+            } => {
+                let own = self.own.as_ref().and_then(|o| o.record.clone());
+                let _ = self
+                    .swarm
+                    .behaviour_mut()
+                    .advert
+                    .send_response(channel, AdvertAnswer(own));
+            }
+            request_response::Event::Message {
+                message:
+                    request_response::Message::Response {
+                        request_id,
+                        response,
+                    },
+                ..
+            } => self.on_fetched_advert(request_id, response),
+            request_response::Event::OutboundFailure {
+                request_id, error, ..
+            } => {
+                let Some((id, peer)) = self.advert_fetches.remove(&request_id) else {
+                    return;
+                };
+                // A peer that speaks no advert fetch (an older build) is looked up in the
+                // DHT. One we cannot reach now is left out: a lease with it would fail
+                // the same way, after its own timeout.
+                if matches!(
+                    error,
+                    request_response::OutboundFailure::UnsupportedProtocols
+                ) {
+                    tracing::debug!(%peer, "peer does not serve its advert; asking the DHT");
+                    self.fetch_advert_from_dht(id, peer);
+                } else {
+                    tracing::debug!(%peer, "advert fetch failed: {error}");
+                    self.advert_resolved(id, 0);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn on_fetched_advert(&mut self, request: OutboundRequestId, answer: AdvertAnswer) {
+        let Some((id, peer)) = self.advert_fetches.remove(&request) else {
+            return;
+        };
+        if let Some(bytes) = answer.0 {
+            // A peer answering with someone else's advert, or garbage, is refused and
+            // counted by the book; its DHT copy would be the same peer's word.
+            self.accept_advert(id, &peer, &bytes);
+        }
+        self.advert_resolved(id, 0);
+    }
+
+    /// Verifies `bytes` as `peer`'s advert and keeps it for query `id`; a copy older than
+    /// one we have seen is replaced by the newer one. Whether it was accepted.
+    fn accept_advert(&mut self, id: u64, peer: &PeerId, bytes: &[u8]) -> bool {
+        let now = now_ms();
+        let accepted = match self.book.accept(bytes, peer, now) {
+            Err(AdvertError::Stale { .. }) => self.book.latest(peer, now).cloned().ok_or(()),
+            other => other.map_err(|_| ()),
+        };
+        let Ok(advert) = accepted else {
+            return false;
+        };
+        if let Some(find) = self.finds.get_mut(&id) {
+            if find.found.get(peer).is_none_or(|a| a.seq < advert.seq) {
+                find.found.insert(*peer, advert);
+            }
+            find.first_advert_after
+                .get_or_insert(find.started.elapsed());
+        }
+        true
+    }
+
+    /// One provider's advert is settled (found, absent or refused).
+    fn advert_resolved(&mut self, id: u64, dht_requests: u32) {
+        if let Some(find) = self.finds.get_mut(&id) {
+            find.dht_requests += dht_requests;
+            find.outstanding = find.outstanding.saturating_sub(1);
+        }
+        self.maybe_complete(id);
     }
 
     pub(super) fn on_record(
@@ -132,47 +352,35 @@ impl EventLoop {
         };
         let mut resolved = last;
         if let Ok(kad::GetRecordOk::FoundRecord(found)) = result {
-            if peer_of_advert_key(found.record.key.as_ref()) == Some(peer) {
-                let now = now_ms();
-                // A copy older than one we have seen is answered with the newer one.
-                let accepted = match self.book.accept(&found.record.value, &peer, now) {
-                    Err(AdvertError::Stale { .. }) => {
-                        self.book.latest(&peer, now).cloned().ok_or(())
-                    }
-                    other => other.map_err(|_| ()),
-                };
-                if let Ok(advert) = accepted {
-                    if let Some(find) = self.finds.get_mut(&id) {
-                        let newer = find.found.get(&peer).is_none_or(|a| a.seq < advert.seq);
-                        if newer {
-                            find.found.insert(peer, advert);
-                        }
-                    }
-                    // A valid advert answers the question; stop asking further peers.
-                    if let Some(mut q) = self.swarm.behaviour_mut().kad.query_mut(&query) {
-                        q.finish();
-                    }
-                    resolved = true;
+            let for_peer = peer_of_advert_key(found.record.key.as_ref()) == Some(peer);
+            if for_peer && self.accept_advert(id, &peer, &found.record.value) {
+                // A valid advert answers the question; stop asking further peers.
+                if let Some(mut q) = self.swarm.behaviour_mut().kad.query_mut(&query) {
+                    q.finish();
                 }
+                resolved = true;
             }
         }
         if resolved {
             self.record_queries.remove(&query);
-            if let Some(find) = self.finds.get_mut(&id) {
-                find.dht_requests += requests;
-                find.outstanding = find.outstanding.saturating_sub(1);
-            }
-            self.maybe_complete(id);
+            self.advert_resolved(id, requests);
         }
     }
 
+    /// Answers query `id` when the lookup has settled and every advert is in; once some
+    /// advert is in, silent providers get a grace (see [`STRAGGLER_GRACE_MIN`]).
     fn maybe_complete(&mut self, id: u64) {
-        if self
-            .finds
-            .get(&id)
-            .is_some_and(|f| f.providers_done && f.outstanding == 0)
-        {
+        let Some(find) = self.finds.get_mut(&id) else {
+            return;
+        };
+        if !find.providers_done {
+            return;
+        }
+        if find.outstanding == 0 {
             self.complete_find(id);
+        } else if let Some(first) = find.first_advert_after {
+            let grace = (first * 3).clamp(STRAGGLER_GRACE_MIN, STRAGGLER_GRACE_MAX);
+            find.deadline = find.deadline.min(Instant::now() + grace);
         }
     }
 
@@ -181,6 +389,7 @@ impl EventLoop {
             return;
         };
         self.provider_queries.retain(|_, f| *f != id);
+        self.advert_fetches.retain(|_, (f, _)| *f != id);
         let kad = &mut self.swarm.behaviour_mut().kad;
         self.record_queries.retain(|q, (f, _)| {
             if *f == id {

@@ -34,7 +34,7 @@ mod leases;
 mod publish;
 mod swarm;
 
-use finds::PendingFind;
+use finds::{ParkedFinds, PendingFind};
 
 pub(crate) use leases::capacity_from;
 use publish::OwnAdvert;
@@ -72,6 +72,12 @@ pub(crate) struct EventLoop {
     next_find: u64,
     provider_queries: HashMap<QueryId, u64>,
     record_queries: HashMap<QueryId, (u64, PeerId)>,
+    /// Direct advert fetches in flight: which query and which provider.
+    advert_fetches: HashMap<OutboundRequestId, (u64, PeerId)>,
+    /// Offer queries waiting for the routing table's first peer.
+    parked_finds: ParkedFinds,
+    /// When the loop started (young nodes park offer queries).
+    started_at: Instant,
     /// Every admission decision, and the lease book behind it.
     desk: LeaseDesk,
     /// How peers stand with this node (team and accounts), for the desk.
@@ -136,6 +142,9 @@ impl EventLoop {
             next_find: 0,
             provider_queries: HashMap::new(),
             record_queries: HashMap::new(),
+            advert_fetches: HashMap::new(),
+            parked_finds: ParkedFinds::default(),
+            started_at: Instant::now(),
             standings: crate::standings::PeerStandings::new(
                 parts.team.clone(),
                 parts.accounts.clone(),
@@ -166,6 +175,12 @@ impl EventLoop {
         }
         for f in self.finds.values() {
             t = t.min(f.deadline);
+            if let Some(s) = f.lookup_settles_at {
+                t = t.min(s);
+            }
+        }
+        if let Some(p) = self.parked_finds.deadline() {
+            t = t.min(p);
         }
         if let Some(due) = self.desk.book().next_deadline() {
             let wait = Duration::from_millis(due.saturating_sub(now_ms()));
@@ -385,6 +400,7 @@ impl EventLoop {
         {
             self.tick_leases();
         }
+        self.settle_quiet_lookups(now);
         let expired: Vec<u64> = self
             .finds
             .iter()
@@ -393,6 +409,9 @@ impl EventLoop {
             .collect();
         for id in expired {
             self.complete_find(id);
+        }
+        if self.parked_finds.deadline().is_some_and(|p| p <= now) {
+            self.release_parked_finds();
         }
         let size = self.routing_table_size();
         self.metrics.routing_table_peers.set(size as i64);

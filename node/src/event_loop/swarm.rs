@@ -85,6 +85,7 @@ impl EventLoop {
             }
             SwarmEvent::Behaviour(NodeBehaviourEvent::Kad(event)) => self.on_kad_event(event),
             SwarmEvent::Behaviour(NodeBehaviourEvent::Lease(event)) => self.on_lease_event(event),
+            SwarmEvent::Behaviour(NodeBehaviourEvent::Advert(event)) => self.on_advert_event(event),
             _ => {}
         }
     }
@@ -142,6 +143,9 @@ impl EventLoop {
                 _ => {}
             },
             kad::Event::RoutingUpdated { is_new_peer, .. } => {
+                if !self.parked_finds.is_empty() {
+                    self.release_parked_finds();
+                }
                 let size = self.routing_table_size();
                 self.metrics.routing_table_peers.set(size as i64);
                 // Re-publish whenever the network has grown by a quarter since we last

@@ -1,14 +1,17 @@
 //! Peers that are not gpunode nodes, or that lie: a standard libp2p peer gets identify and
-//! ping answers; forged, oversized and garbage records pushed into the DHT are refused,
-//! counted in /metrics, and the node keeps serving.
+//! ping answers; forged, oversized and garbage records pushed into the DHT, or given in
+//! answer to a direct advert fetch, are refused, counted in /metrics, and the node keeps
+//! serving.
 
 use std::time::Duration;
 
 use futures::StreamExt;
+use gpunode_node::adverts::fetch::{AdvertAnswer, AdvertCodec, AdvertQuery};
 use gpunode_protocol::advert::{advert_record_key, Advert, AdvertGpu, OfferFilter, ADVERT_VERSION};
 use gpunode_protocol::gpu::GpuState;
 use gpunode_protocol::time::now_ms;
 use libp2p::kad::{self, store::MemoryStore, Quorum, Record, RecordKey};
+use libp2p::request_response;
 use libp2p::swarm::{NetworkBehaviour, SwarmEvent};
 use libp2p::{identify, identity, noise, ping, tcp, yamux, Multiaddr, PeerId, StreamProtocol};
 use testnet::{TestNet, Transport};
@@ -200,6 +203,139 @@ async fn forged_oversized_and_garbage_records_are_refused_and_counted() {
     assert!(!offers
         .iter()
         .any(|o| o.gpus.iter().any(|g| g.model.starts_with("B200"))));
+    net.shutdown().await;
+}
+
+#[derive(NetworkBehaviour)]
+struct Liar {
+    kad: kad::Behaviour<MemoryStore>,
+    advert: request_response::Behaviour<AdvertCodec>,
+}
+
+/// A peer that provides the A100 key and answers every advert fetch with a lie, in turn:
+/// an advert it signed that names the honest provider, garbage, and the honest provider's
+/// real advert replayed as its own. Each lie is refused and counted, the liar is never
+/// offered, and the honest provider always is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lies_told_in_answer_to_an_advert_fetch_are_refused_and_counted() {
+    let net = TestNet::gpu_providers(&["1xA100-80GB"])
+        .with_clients(1)
+        .start()
+        .await
+        .expect("start");
+    let honest = net.provider(0).handle.peer_id();
+    let mut honest_addr: Multiaddr = net.provider(0).addr.parse().expect("addr");
+    honest_addr.pop();
+    let client = net.client(0).handle.clone();
+
+    let key = identity::Keypair::generate_ed25519();
+    let me = key.public().to_peer_id();
+    let mut swarm = libp2p::SwarmBuilder::with_existing_identity(key.clone())
+        .with_tokio()
+        .with_quic()
+        .with_behaviour(|_| {
+            let cfg = kad::Config::new(StreamProtocol::new("/gpunode/kad/1.0.0"));
+            let mut kad = kad::Behaviour::with_config(me, MemoryStore::new(me), cfg);
+            kad.set_mode(Some(kad::Mode::Server));
+            Liar {
+                kad,
+                advert: gpunode_node::adverts::fetch::behaviour(),
+            }
+        })
+        .expect("behaviour")
+        .build();
+    swarm
+        .listen_on("/ip4/127.0.0.1/udp/0/quic-v1".parse().expect("addr"))
+        .expect("listen");
+    swarm.behaviour_mut().kad.add_address(&honest, honest_addr);
+    // The honest provider serves its own advert to anyone who asks: the liar keeps it.
+    swarm
+        .behaviour_mut()
+        .advert
+        .send_request(&honest, AdvertQuery);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    let real = loop {
+        let event = tokio::time::timeout_at(deadline, swarm.select_next_some())
+            .await
+            .expect("the honest provider answers an advert fetch");
+        match event {
+            SwarmEvent::NewListenAddr { address, .. } => swarm.add_external_address(address),
+            SwarmEvent::Behaviour(LiarEvent::Advert(request_response::Event::Message {
+                message: request_response::Message::Response { response, .. },
+                ..
+            })) => match response.0 {
+                Some(advert) => break advert,
+                // Not signed yet: ask again.
+                None => {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    swarm
+                        .behaviour_mut()
+                        .advert
+                        .send_request(&honest, AdvertQuery);
+                }
+            },
+            _ => {}
+        }
+    };
+    let a100 = OfferFilter {
+        gpu_model: Some("A100-80GB".into()),
+        ..OfferFilter::default()
+    };
+    swarm
+        .behaviour_mut()
+        .kad
+        .start_providing(RecordKey::new(&a100.capability_key()))
+        .expect("provide");
+    let lies = [forged_advert(honest, &key), b"not an advert".to_vec(), real];
+    let told = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counter = told.clone();
+    let liar = tokio::spawn(async move {
+        loop {
+            if let SwarmEvent::Behaviour(LiarEvent::Advert(request_response::Event::Message {
+                message: request_response::Message::Request { channel, .. },
+                ..
+            })) = swarm.select_next_some().await
+            {
+                let n = counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let lie = AdvertAnswer(Some(lies[n % lies.len()].clone()));
+                let _ = swarm.behaviour_mut().advert.send_response(channel, lie);
+            }
+        }
+    });
+
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while told.load(std::sync::atomic::Ordering::SeqCst) < 3 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the liar was never asked three times"
+        );
+        let search = client.search_offers(a100.clone()).await.expect("search");
+        let peers: Vec<&str> = search.offers.iter().map(|o| o.peer_id.as_str()).collect();
+        assert!(
+            !peers.contains(&me.to_string().as_str()),
+            "liar offered: {peers:?}"
+        );
+        if search.providers >= 2 {
+            assert_eq!(
+                peers,
+                vec![honest.to_string()],
+                "the honest provider is offered"
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let metrics = client.metrics();
+    assert!(
+        metrics.rejected_count("wrong_key") >= 2,
+        "{}",
+        metrics.encode()
+    );
+    assert!(
+        metrics.rejected_count("malformed") >= 1,
+        "{}",
+        metrics.encode()
+    );
+    liar.abort();
     net.shutdown().await;
 }
 

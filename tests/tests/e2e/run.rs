@@ -279,3 +279,53 @@ fn a_provider_killed_mid_task_is_replaced() {
         .stop(SIGINT, Duration::from_secs(15))
         .expect("stop");
 }
+
+/// A requester daemon started with `--bootstrap` and asked to `run` at once finds the
+/// provider, every time. Twenty fresh requesters in a row, each killed (not stopped)
+/// before the next starts: the provider's routing table fills with dead peers that
+/// advertised their CPUs too, which is what made a lookup wait out its timeout and
+/// answer with nothing.
+#[test]
+fn a_run_right_after_start_finds_the_provider_every_time() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let bin = gpunode_bin();
+    let listen = format!(
+        "/ip4/127.0.0.1/udp/{}/quic-v1",
+        gpunode_e2e::free_udp_port()
+    );
+    let mut provider =
+        ServeProcess::start(&bin, &tmp.path().join("p"), &["--listen".into(), listen])
+            .expect("provider");
+    let hello = workspace_file("examples/wat/hello.wat");
+    for i in 0..20 {
+        let mut requester = ServeProcess::start(
+            &bin,
+            &tmp.path().join(format!("r{i}")),
+            &["--bootstrap".into(), provider.addr.clone()],
+        )
+        .expect("requester");
+        let out = gpunode(
+            &requester.data_dir,
+            &[
+                "run",
+                hello.to_str().expect("utf8"),
+                "--quiet",
+                "--output",
+                tmp.path().join("out").to_str().expect("utf8"),
+            ],
+        );
+        assert!(
+            out.status.success(),
+            "run {i} right after start failed: {}\nrequester log:\n{}",
+            stderr(&out),
+            requester.log()
+        );
+        assert_eq!(stdout(&out), "hello from a gpunode sandbox\n");
+        requester
+            .stop(SIGKILL, Duration::from_secs(5))
+            .expect("kill -9");
+    }
+    provider
+        .stop(SIGINT, Duration::from_secs(15))
+        .expect("stop");
+}

@@ -1,5 +1,8 @@
 //! Adverts on the node side: building and signing our own, and the advert book that
 //! checks everyone else's (signature, expiry, and sequence numbers against what we saw).
+//! [`fetch`] is the wire protocol that asks a provider for its advert directly.
+
+pub mod fetch;
 
 use std::collections::HashMap;
 use std::sync::Arc;
