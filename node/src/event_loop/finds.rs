@@ -49,6 +49,9 @@ pub(super) struct PendingFind {
     answers: u32,
     quiet_answers: u32,
     providers_done: bool,
+    /// Peers named by the caller, not by a provider lookup: one that cannot be reached
+    /// directly may have no address we know but its advert's, so ask the DHT.
+    named_peers: bool,
     /// The provider lookup, and when it stops if no further response comes.
     provider_query: Option<QueryId>,
     pub(super) lookup_settles_at: Option<Instant>,
@@ -70,6 +73,7 @@ impl PendingFind {
             answers: 0,
             quiet_answers: 0,
             providers_done: false,
+            named_peers: false,
             provider_query: None,
             lookup_settles_at: None,
             outstanding: 0,
@@ -162,6 +166,7 @@ impl EventLoop {
         self.next_find += 1;
         let mut find = PendingFind::new(OfferFilter::default(), reply);
         find.providers_done = true;
+        find.named_peers = true;
         self.finds.insert(id, find);
         for peer in peers {
             self.fetch_advert(id, peer);
@@ -281,12 +286,16 @@ impl EventLoop {
                     return;
                 };
                 // A peer that speaks no advert fetch (an older build) is looked up in the
-                // DHT. One we cannot reach now is left out: a lease with it would fail
-                // the same way, after its own timeout.
-                if matches!(
-                    error,
-                    request_response::OutboundFailure::UnsupportedProtocols
-                ) {
+                // DHT, and so is one the caller named (its advert says where it listens).
+                // A provider the lookup named that we cannot reach now is left out: a
+                // lease with it would fail the same way, after its own timeout.
+                let named = self.finds.get(&id).is_some_and(|f| f.named_peers);
+                if named
+                    || matches!(
+                        error,
+                        request_response::OutboundFailure::UnsupportedProtocols
+                    )
+                {
                     tracing::debug!(%peer, "peer does not serve its advert; asking the DHT");
                     self.fetch_advert_from_dht(id, peer);
                 } else {
