@@ -10,7 +10,7 @@ use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use gpunode_protocol::advert::{
-    advert_record_key, peer_of_advert_key, Advert, AdvertError, OfferFilter,
+    advert_record_key, peer_of_advert_key, verify_advert, Advert, AdvertError, OfferFilter,
 };
 use gpunode_protocol::time::now_ms;
 use libp2p::kad::{self, QueryId, RecordKey};
@@ -52,6 +52,10 @@ pub(super) struct PendingFind {
     /// Peers named by the caller, not by a provider lookup: one that cannot be reached
     /// directly may have no address we know but its advert's, so ask the DHT.
     named_peers: bool,
+    /// Providers we could not reach whose DHT advert we are fetching, to try once more
+    /// at the addresses it lists (a provider restarted on a new port).
+    readdressing: HashSet<PeerId>,
+    retried: HashSet<PeerId>,
     /// The provider lookup, and when it stops if no further response comes.
     provider_query: Option<QueryId>,
     pub(super) lookup_settles_at: Option<Instant>,
@@ -64,6 +68,16 @@ pub(super) struct PendingFind {
 }
 
 impl PendingFind {
+    /// Whether `peer` was already given its second try; marks it as being given one.
+    fn providers_retried(&mut self, peer: PeerId) -> bool {
+        if self.retried.contains(&peer) {
+            return true;
+        }
+        self.retried.insert(peer);
+        self.readdressing.insert(peer);
+        false
+    }
+
     fn new(filter: OfferFilter, reply: oneshot::Sender<OfferSearch>) -> PendingFind {
         PendingFind {
             filter,
@@ -74,6 +88,8 @@ impl PendingFind {
             quiet_answers: 0,
             providers_done: false,
             named_peers: false,
+            readdressing: HashSet::new(),
+            retried: HashSet::new(),
             provider_query: None,
             lookup_settles_at: None,
             outstanding: 0,
@@ -289,14 +305,17 @@ impl EventLoop {
                 // DHT, and so is one the caller named (its advert says where it listens).
                 // A provider the lookup named that we cannot reach now is left out: a
                 // lease with it would fail the same way, after its own timeout.
-                let named = self.finds.get(&id).is_some_and(|f| f.named_peers);
-                if named
-                    || matches!(
-                        error,
-                        request_response::OutboundFailure::UnsupportedProtocols
-                    )
-                {
-                    tracing::debug!(%peer, "peer does not serve its advert; asking the DHT");
+                let Some(find) = self.finds.get_mut(&id) else {
+                    return;
+                };
+                let unsupported = matches!(
+                    error,
+                    request_response::OutboundFailure::UnsupportedProtocols
+                );
+                if find.named_peers || unsupported {
+                    self.fetch_advert_from_dht(id, peer);
+                } else if !find.providers_retried(peer) {
+                    tracing::debug!(%peer, "advert fetch failed ({error}); trying its advertised addresses");
                     self.fetch_advert_from_dht(id, peer);
                 } else {
                     tracing::debug!(%peer, "advert fetch failed: {error}");
@@ -362,6 +381,18 @@ impl EventLoop {
         let mut resolved = last;
         if let Ok(kad::GetRecordOk::FoundRecord(found)) = result {
             let for_peer = peer_of_advert_key(found.record.key.as_ref()) == Some(peer);
+            let readdress = self
+                .finds
+                .get_mut(&id)
+                .is_some_and(|f| f.readdressing.remove(&peer));
+            if for_peer && readdress {
+                self.record_queries.remove(&query);
+                if let Some(mut q) = self.swarm.behaviour_mut().kad.query_mut(&query) {
+                    q.finish();
+                }
+                self.fetch_again_at_advertised_addresses(id, peer, &found.record.value);
+                return;
+            }
             if for_peer && self.accept_advert(id, &peer, &found.record.value) {
                 // A valid advert answers the question; stop asking further peers.
                 if let Some(mut q) = self.swarm.behaviour_mut().kad.query_mut(&query) {
@@ -374,6 +405,24 @@ impl EventLoop {
             self.record_queries.remove(&query);
             self.advert_resolved(id, requests);
         }
+    }
+
+    /// Asks `peer` for its advert once more, at the addresses its (verified) DHT advert
+    /// lists; without a valid advert it is left out.
+    fn fetch_again_at_advertised_addresses(&mut self, id: u64, peer: PeerId, bytes: &[u8]) {
+        let Ok(advert) = verify_advert(bytes, &peer, now_ms()) else {
+            self.advert_resolved(id, 0);
+            return;
+        };
+        for addr in advert.listen_addrs.iter().filter_map(|a| a.parse().ok()) {
+            self.swarm.add_peer_address(peer, addr);
+        }
+        let request = self
+            .swarm
+            .behaviour_mut()
+            .advert
+            .send_request(&peer, AdvertQuery);
+        self.advert_fetches.insert(request, (id, peer));
     }
 
     /// Answers query `id` when the lookup has settled and every advert is in; once some
