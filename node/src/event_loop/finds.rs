@@ -69,7 +69,7 @@ pub(super) struct PendingFind {
 
 impl PendingFind {
     /// Whether `peer` was already given its second try; marks it as being given one.
-    fn providers_retried(&mut self, peer: PeerId) -> bool {
+    fn second_try_used(&mut self, peer: PeerId) -> bool {
         if self.retried.contains(&peer) {
             return true;
         }
@@ -199,6 +199,10 @@ impl EventLoop {
             return;
         }
         find.outstanding += 1;
+        self.send_advert_request(id, peer);
+    }
+
+    fn send_advert_request(&mut self, id: u64, peer: PeerId) {
         let request = self
             .swarm
             .behaviour_mut()
@@ -314,7 +318,7 @@ impl EventLoop {
                 );
                 if find.named_peers || unsupported {
                     self.fetch_advert_from_dht(id, peer);
-                } else if !find.providers_retried(peer) {
+                } else if !find.second_try_used(peer) {
                     tracing::debug!(%peer, "advert fetch failed ({error}); trying its advertised addresses");
                     self.fetch_advert_from_dht(id, peer);
                 } else {
@@ -417,12 +421,7 @@ impl EventLoop {
         for addr in advert.listen_addrs.iter().filter_map(|a| a.parse().ok()) {
             self.swarm.add_peer_address(peer, addr);
         }
-        let request = self
-            .swarm
-            .behaviour_mut()
-            .advert
-            .send_request(&peer, AdvertQuery);
-        self.advert_fetches.insert(request, (id, peer));
+        self.send_advert_request(id, peer);
     }
 
     /// Answers query `id` when the lookup has settled and every advert is in; once some
