@@ -64,6 +64,11 @@ impl NodeHandle {
         }
     }
 
+    /// This node's jobs waiting in providers' queues.
+    pub fn queue_turns(&self) -> &Arc<crate::lease::turns::Turns> {
+        self.requester.turns()
+    }
+
     /// How domain services reach peers: the loop, raw streams, metrics.
     pub fn link(&self) -> &PeerLink {
         &self.link

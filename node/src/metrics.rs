@@ -54,6 +54,9 @@ pub struct Metrics {
     pub streams_refused: Family<Vec<(String, String)>, Counter>,
     /// Inbound connections refused by the per-IP limit.
     pub connections_refused: Counter,
+    /// Queue-turn notices, by result (sent, send_failed, woke, unknown_ticket,
+    /// not_queued_there, malformed).
+    pub queue_turns: Family<Vec<(String, String)>, Counter>,
     /// Size of each bounded structure fed by peers (`lease_records`, `spent_nonces`,
     /// `adverts`, `reputation_records`, `refused_receipts`), to watch against its bound.
     pub peer_state: Family<Vec<(String, String)>, Gauge>,
@@ -176,6 +179,12 @@ impl Metrics {
             "Inbound connections refused by the per-IP limit",
             connections_refused.clone(),
         );
+        let queue_turns = Family::<Vec<(String, String)>, Counter>::default();
+        registry.register(
+            "queue_turns",
+            "Notices that a queued request's GPUs freed, sent and received, by result",
+            queue_turns.clone(),
+        );
         let peer_state = Family::<Vec<(String, String)>, Gauge>::default();
         registry.register(
             "peer_state",
@@ -187,6 +196,7 @@ impl Metrics {
             peer_state,
             streams_refused,
             connections_refused,
+            queue_turns,
             gpus,
             receipts_settled,
             receipts_rejected,
@@ -207,6 +217,20 @@ impl Metrics {
             leases_active,
             leased_gpus,
         })
+    }
+
+    /// Counts a queue-turn notice under `result`.
+    pub fn queue_turn(&self, result: &str) {
+        self.queue_turns
+            .get_or_create(&vec![("result".to_string(), result.to_string())])
+            .inc();
+    }
+
+    /// How many queue-turn notices ended with `result`.
+    pub fn queue_turn_count(&self, result: &str) -> u64 {
+        self.queue_turns
+            .get_or_create(&vec![("result".to_string(), result.to_string())])
+            .get()
     }
 
     /// Counts a refused advert under `reason`.

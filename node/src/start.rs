@@ -144,6 +144,15 @@ impl Services<'_> {
         let accounts = handle.accounts();
         let mut router = router::Router::new(control, handle.metrics().clone());
         route_settlement_and_team(&mut router, handle, accounts, self.team)?;
+        router.route(
+            crate::lease::turns::TURN_PROTOCOL,
+            "queue_turn",
+            crate::lease::turns::TURN_STREAM_LIMITS,
+            Arc::new(crate::lease::turns::TurnNotices {
+                turns: handle.queue_turns().clone(),
+                metrics: handle.metrics().clone(),
+            }),
+        )?;
         let link = handle.link().clone();
         let claims = ledger::settle::run_claims(accounts.clone(), link, ended, stop.clone());
         tasks.push(tokio::spawn(claims));

@@ -141,6 +141,11 @@ impl Queue {
         self.entries.contains_key(ticket)
     }
 
+    /// The request queued under `ticket`.
+    pub fn request(&self, ticket: &Ticket) -> Option<&Request> {
+        self.entries.get(ticket).map(|e| &e.request)
+    }
+
     /// When a queued request first arrived.
     pub fn arrived(&self, ticket: &Ticket) -> Option<Millis> {
         self.entries.get(ticket).map(|e| e.arrived_ms)

@@ -249,13 +249,24 @@ async fn run_job(
         .await
         .unwrap_or_default();
     progress.done.fetch_add(1, AtomicOrdering::SeqCst);
+    let ok = match outcome(&events) {
+        Some(Ok(_)) => true,
+        Some(Err(e)) => {
+            eprintln!("job {} of {user} failed: {e}", view.job_id);
+            false
+        }
+        None => {
+            eprintln!("job {} of {user} did not end", view.job_id);
+            false
+        }
+    };
     Timing {
         user,
         submitted,
         started,
         ended: Instant::now(),
         run,
-        ok: matches!(outcome(&events), Some(Ok(_))),
+        ok,
     }
 }
 

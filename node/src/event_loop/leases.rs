@@ -98,7 +98,8 @@ impl EventLoop {
     }
 
     /// Does what the desk said, in order: stop and pause jobs, write the changes (and
-    /// flush when asked), settle ended leases, record quota use, republish.
+    /// flush when asked), settle ended leases, record quota use, republish, tell queued
+    /// requesters their turn came.
     pub(super) fn carry_out(&mut self, effects: Effects) {
         for id in &effects.preempt {
             let jobs = self.lease_jobs.preempt(id);
@@ -144,6 +145,13 @@ impl EventLoop {
         self.metrics.leases_active.set(book.active_count() as i64);
         if effects.republish {
             self.schedule_publish(std::time::Duration::from_millis(20), true);
+        }
+        for (peer, ticket) in effects.turns {
+            let control = self.swarm.behaviour().stream.new_control();
+            let metrics = self.metrics.clone();
+            tokio::spawn(crate::lease::turns::send_turn(
+                control, peer, ticket, metrics,
+            ));
         }
     }
 

@@ -6,6 +6,7 @@
 //! the event loop. [`desk`] takes every admission decision around it (lending hours, team
 //! policy, credit, the queue, preemption, owner rules) and says what follows. [`codec`] puts lease messages on a libp2p request-response stream
 //! with hard size limits. [`negotiate`] is the requester's side of a negotiation.
+//! [`turns`] tells a queued requester when GPUs freed for it.
 
 pub mod book;
 pub mod codec;
@@ -14,6 +15,7 @@ pub mod errors;
 pub mod negotiate;
 pub mod persist;
 pub mod policy;
+pub mod turns;
 
 pub use book::{LeaseBook, LeaseRecord, LeaseRole, LeaseState};
 pub use desk::{Effects, LeaseDesk, Standings};

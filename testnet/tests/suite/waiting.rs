@@ -1,8 +1,13 @@
 //! A job that no provider can take now waits (`--wait`) in the provider's queue with its
 //! place and the reason, and starts as soon as one can; without `--wait` it fails at
 //! once. When two users flood a provider, the one that used it less is served first.
+//! When the GPU frees, the provider tells the waiting job at once; notices from anyone
+//! else, or for tickets nobody waits under, move nothing.
 
 use std::time::Duration;
+
+use futures::AsyncWriteExt;
+use gpunode_node::lease::turns::{encode_notice, TURN_PROTOCOL};
 
 use gpunode_node::jobs::{JobEvent, JobState};
 use gpunode_node::LeaseSpec;
@@ -22,7 +27,7 @@ async fn one_gpu_and_two_clients() -> TestNet {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_waiting_job_says_why_and_starts_when_the_gpu_frees() {
+async fn a_waiting_job_says_why_and_is_told_when_the_gpu_frees() {
     let net = one_gpu_and_two_clients().await;
     let (holder, client) = (net.client(0), net.client(1));
     let provider = net.provider_id(0);
@@ -72,11 +77,42 @@ async fn a_waiting_job_says_why_and_starts_when_the_gpu_frees() {
         place.estimated_start_ms.is_some_and(|t| t >= held.end_ms),
         "starts when the holder's lease ends: {place:?}"
     );
+    // Forged notices, here from the provider itself (the one peer the client is
+    // connected to): a guessed ticket, garbage, and an oversized one. Each is counted
+    // and refused; the job keeps waiting. (A notice with the right ticket from a
+    // provider not queueing it is refused too: `lease::turns`' unit tests.)
+    for bytes in [
+        encode_notice(0x5eed_f00d).to_vec(),
+        vec![0xff; 5],
+        vec![1; 64],
+    ] {
+        let mut stream = net
+            .provider(0)
+            .handle
+            .link()
+            .open_stream(client.handle.peer_id(), TURN_PROTOCOL)
+            .await
+            .expect("a turn stream");
+        let _ = stream.write_all(&bytes).await;
+        let _ = stream.close().await;
+    }
+    let metrics = client.handle.metrics();
+    wait_for(|| metrics.queue_turn_count("unknown_ticket") == 1).await;
+    wait_for(|| metrics.queue_turn_count("malformed") == 2).await;
+    assert_eq!(
+        client.handle.get_job(&view.job_id).expect("job").state,
+        JobState::Waiting
+    );
+    assert_eq!(metrics.queue_turn_count("woke"), 0);
+
     holder
         .handle
         .cancel_lease(&held.lease_id)
         .await
         .expect("free the GPU");
+    // The provider tells the waiting job its turn came, and the job acts on it.
+    wait_for(|| net.provider(0).handle.metrics().queue_turn_count("sent") == 1).await;
+    wait_for(|| metrics.queue_turn_count("woke") == 1).await;
     let events = until_end(&client.handle, &view.job_id, &mut from)
         .await
         .expect("end");
@@ -156,4 +192,16 @@ async fn the_user_with_less_recent_usage_is_served_first() {
         "the light user's job goes first although the heavy user's were queued earlier: {order:?}"
     );
     net.shutdown().await;
+}
+
+/// Waits (up to a minute) until `cond` holds; panics otherwise.
+async fn wait_for(cond: impl Fn() -> bool) {
+    let deadline = tokio::time::Instant::now() + LONG;
+    while !cond() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "condition not met in time"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }

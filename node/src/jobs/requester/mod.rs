@@ -18,6 +18,7 @@ use tokio::sync::watch;
 
 use super::JOB_PROTOCOL;
 use super::{outputs, wire};
+use crate::lease::turns::{TurnWait, Turns, MIN_ASK_GAP};
 use crate::ledger::claims::ReceiptStatus;
 use crate::ledger::reputation::Outcome;
 use crate::{LeaseError, LeaseSpec, LeaseView};
@@ -65,6 +66,8 @@ pub struct Requester {
     control: libp2p_stream::Control,
     executor: Arc<gpunode_sandbox::WasmExecutor>,
     in_team: bool,
+    /// Jobs waiting in providers' queues, woken when a provider says their turn came.
+    turns: Arc<Turns>,
 }
 
 impl std::fmt::Debug for Requester {
@@ -90,7 +93,13 @@ impl Requester {
             control,
             executor,
             in_team,
+            turns: Arc::default(),
         }
+    }
+
+    /// The jobs waiting in providers' queues (the queue-turn handler wakes them).
+    pub fn turns(&self) -> &Arc<Turns> {
+        &self.turns
     }
 
     /// Runs a job to its end, reporting each step to `events`. `cancel` turning true
@@ -129,9 +138,9 @@ impl Requester {
     ) -> Result<JobSummary, JobError> {
         let mut attempt = 0;
         let wait = req.wait.unwrap_or(self.in_team);
-        let mut waiting = WaitingRoom::default();
         // One ticket for the whole job, so providers keep its place in their queues.
         let ticket: u128 = rand::random();
+        let mut waiting = WaitingRoom::new(self.turns.register(ticket));
         loop {
             attempt += 1;
             if *cancel.borrow() {
@@ -413,22 +422,26 @@ fn lease_spec(req: &JobRequest, exclude: &[String], ticket: Option<u128>) -> Lea
 }
 
 /// A job waiting for room: says why when the reasons change, and asks again after a
-/// backoff (soon while it holds a place in a queue, which is kept only by asking).
+/// backoff (soon while it holds a place in a queue, which is kept only by asking), or as
+/// soon as a provider queueing it says its turn came.
 struct WaitingRoom {
     backoff: Duration,
     last_reasons: Option<Vec<(String, String)>>,
-}
-
-impl Default for WaitingRoom {
-    fn default() -> WaitingRoom {
-        WaitingRoom {
-            backoff: FIRST_WAIT_POLL,
-            last_reasons: None,
-        }
-    }
+    turn: TurnWait,
+    /// When the job last asked (a notice never makes it ask within [`MIN_ASK_GAP`]).
+    last_ask: tokio::time::Instant,
 }
 
 impl WaitingRoom {
+    fn new(turn: TurnWait) -> WaitingRoom {
+        WaitingRoom {
+            backoff: FIRST_WAIT_POLL,
+            last_reasons: None,
+            turn,
+            last_ask: tokio::time::Instant::now(),
+        }
+    }
+
     /// Reports why the job waits (once per change) and sleeps until it asks again or
     /// is cancelled.
     async fn wait(
@@ -442,6 +455,10 @@ impl WaitingRoom {
             LeaseError::Queued { queued, .. } => queued.first().cloned(),
             _ => None,
         };
+        if let LeaseError::Queued { queued, .. } = e {
+            self.turn
+                .queued_at(queued.iter().filter_map(|(p, _)| p.parse::<PeerId>().ok()));
+        }
         if self.last_reasons.as_ref() != Some(&reasons) {
             events(JobEvent::Waiting {
                 reasons: reasons.clone(),
@@ -452,8 +469,13 @@ impl WaitingRoom {
         if queue.is_some() {
             self.backoff = QUEUED_POLL;
         }
+        let turn = async {
+            self.turn.notified().await;
+            tokio::time::sleep_until(self.last_ask + MIN_ASK_GAP).await;
+        };
         tokio::select! {
             _ = tokio::time::sleep(self.backoff) => {}
+            _ = turn => {}
             changed = cancel.changed() => {
                 if changed.is_err() {
                     tokio::time::sleep(self.backoff).await;
@@ -461,6 +483,7 @@ impl WaitingRoom {
             }
         }
         self.backoff = (self.backoff * 2).min(MAX_WAIT_POLL);
+        self.last_ask = tokio::time::Instant::now();
     }
 }
 

@@ -295,10 +295,38 @@ fn a_freed_gpu_goes_to_the_higher_priority_request_even_if_it_came_later() {
     // The holder gives the GPU back: the low-priority requester asks first and waits.
     let (_, effects) = desk.cancel_local(&id.to_string(), NOW + 30);
     assert_eq!(effects.ended, vec![id]);
+    assert_eq!(
+        effects.turns,
+        vec![(high.id(), 2)],
+        "only the request the freed GPU goes to is told its turn came"
+    );
     let (r, _) = desk.on_message(&low.id(), low.request(1, Some(1), NOW + 40), &t, NOW + 40);
     assert!(matches!(r, LeaseReply::Queued(_)), "{r:?}");
     let (r, _) = desk.on_message(&high.id(), high.request(1, Some(2), NOW + 50), &t, NOW + 50);
     assert!(matches!(r, LeaseReply::Offer { .. }), "{r:?}");
+}
+
+#[test]
+fn a_freed_gpu_tells_nobody_when_nobody_waits_or_the_waiter_went_quiet() {
+    let mut desk = desk(1);
+    let (mut holder, mut waiter) = (Peer::new(), Peer::new());
+    let t = Table::default();
+    let id = lease(&mut desk, &mut holder, 1, &t, NOW);
+    let (_, effects) = desk.cancel_local(&id.to_string(), NOW + 10);
+    assert!(effects.turns.is_empty(), "nobody waits");
+
+    let id = lease(&mut desk, &mut holder, 1, &t, NOW + 20);
+    let (r, _) = desk.on_message(
+        &waiter.id(),
+        waiter.request(1, Some(7), NOW + 30),
+        &t,
+        NOW + 30,
+    );
+    assert!(matches!(r, LeaseReply::Queued(_)), "{r:?}");
+    // The waiter stops asking (it took another offer): its place goes stale.
+    let later = NOW + 30 + QUEUE_STALE_MS + 1;
+    let (_, effects) = desk.cancel_local(&id.to_string(), later);
+    assert!(effects.turns.is_empty(), "a stale place is not told");
 }
 
 #[test]

@@ -85,6 +85,9 @@ pub struct Effects {
     pub quota: Vec<(PeerId, UnixMillis, u32, u64)>,
     /// The GPUs this node advertises changed: publish a new advert.
     pub republish: bool,
+    /// Tell these requesters their queued request (this ticket) would start now: GPUs
+    /// freed for it. They ask again at once instead of at their next poll.
+    pub turns: Vec<(PeerId, u128)>,
 }
 
 /// A cancellation this node made: the lease as it now stands, and the signed message
@@ -164,6 +167,7 @@ impl LeaseDesk {
     /// back the GPU time they were charged and did not use.
     fn collect_changes(&mut self, effects: &mut Effects, now: UnixMillis) {
         let changes = self.book.take_changes();
+        let mut freed = false;
         for change in &changes {
             let Change::Lease(id) = change else { continue };
             let Some(record) = self.book.get(id) else {
@@ -182,10 +186,15 @@ impl LeaseDesk {
                         .push(self.waiting.charge(&user, -unused, now));
                 }
                 effects.settle.push(record.clone());
+                freed = true;
             }
             effects.ended.push(*id);
         }
         effects.writes.extend(changes);
+        if freed {
+            let timelines = self.book.timelines(now);
+            effects.turns = self.waiting.turns(&timelines, now);
+        }
     }
 
     /// Answers one lease message from `peer`.

@@ -20,6 +20,8 @@ pub const QUEUE_STALE_MS: u64 = 3_000;
 pub const FAIR_SHARE_HALF_LIFE_MS: u64 = 24 * 3_600_000;
 /// Requests placed per plan (the rest wait without an estimate).
 const PLAN_DEPTH: usize = 64;
+/// Requesters told at most at once that their turn came (see [`WaitQueue::turns`]).
+const MAX_TURNS: usize = 8;
 
 /// One user's fair-share usage as stored: `(usage GPU-ms, as of)`.
 pub type FairShareEntry = (f64, UnixMillis);
@@ -90,6 +92,28 @@ impl WaitQueue {
     /// A request was refused for good: it leaves the queue.
     pub(super) fn refused(&mut self, req: &LeaseRequest) {
         self.queue.remove(&ticket_of(req).0);
+    }
+
+    /// The queued requests the plan starts now, although their requesters have not asked
+    /// again yet (GPUs freed since): `(requester, ticket)`, at most [`MAX_TURNS`], in
+    /// serving order. Each is told it is its turn, instead of waiting for its next poll.
+    pub(super) fn turns(
+        &mut self,
+        timelines: &[gpunode_sched::GpuTimeline],
+        now: UnixMillis,
+    ) -> Vec<(PeerId, u128)> {
+        self.queue.expire(now);
+        if self.queue.is_empty() {
+            return Vec::new();
+        }
+        let plan = self.queue.plan(timelines, &self.fair, now, PLAN_DEPTH);
+        plan.starting_now(now)
+            .filter_map(|p| {
+                let user = &self.queue.request(&p.ticket)?.user;
+                Some((user.parse::<PeerId>().ok()?, p.ticket.0))
+            })
+            .take(MAX_TURNS)
+            .collect()
     }
 
     /// A user's usage now (tests).
