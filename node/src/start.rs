@@ -405,6 +405,10 @@ fn job_service(
     };
     // Working directories left by a crash are stale: their jobs are gone.
     let _ = std::fs::remove_dir_all(&jobs_dir);
+    if config.backends.iter().any(|b| b == "wasm") {
+        // A worker process started ahead of need per CPU slot: a task skips the start.
+        executor.keep_workers_ready(cores as usize);
+    }
     let accounts = handle.accounts().clone();
     Ok(Arc::new(jobs::provider::JobService {
         client: handle.loop_client().clone(),

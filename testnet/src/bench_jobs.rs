@@ -275,8 +275,9 @@ pub struct SandboxReport {
     pub n: usize,
     /// Median native time (process start included), ms.
     pub native_ms: f64,
-    /// Isolation measured: `process` (worker process, as `gpunode serve` runs tasks) or
-    /// `thread` (epoch interruption, as in-process test networks run them).
+    /// Isolation measured: a worker process kept ready (as `gpunode serve` runs tasks),
+    /// one started per task, or `thread` (epoch interruption, as in-process test networks
+    /// run them).
     pub isolation: String,
     /// Median time as a wasm task, ms.
     pub wasm_ms: f64,
@@ -321,14 +322,21 @@ pub fn sandbox_overhead(
         expected,
         runs,
         output_dir: work.path().join("out"),
+        input_dir: work.path().join("in"),
     };
+    std::fs::create_dir_all(&kernel.input_dir)?;
     let mut reports = Vec::new();
-    for isolation in [Isolation::Process(worker.to_path_buf()), Isolation::Thread] {
-        let label = match isolation {
-            Isolation::Process(_) => "process",
-            Isolation::Thread => "thread",
-        };
-        let times = kernel.measure(isolation)?;
+    let process = Isolation::Process(worker.to_path_buf());
+    for (label, isolation, ready) in [
+        (
+            "process, worker ready (as serve runs tasks)",
+            process.clone(),
+            1,
+        ),
+        ("process, worker started per task", process, 0),
+        ("thread", Isolation::Thread, 0),
+    ] {
+        let times = kernel.measure(isolation, ready)?;
         reports.push(SandboxReport {
             n,
             native_ms,
@@ -355,6 +363,8 @@ struct SandboxRuns {
     expected: String,
     runs: usize,
     output_dir: PathBuf,
+    /// An empty `/input` for the trivial task.
+    input_dir: PathBuf,
 }
 
 /// Medians of one isolation's runs, ms.
@@ -384,16 +394,19 @@ impl SandboxRuns {
     }
 
     /// The kernel's compilation and runs, then the trivial task's starts from a cached
-    /// module, in memory and from disk, under `isolation`.
-    fn measure(&self, isolation: Isolation) -> Result<IsolationTimes> {
+    /// module, in memory and from disk, under `isolation`, with `ready` worker processes
+    /// kept started (each timed run waits until they are, as on an idle node).
+    fn measure(&self, isolation: Isolation, ready: usize) -> Result<IsolationTimes> {
         let cache = tempfile::tempdir()?;
         let exec = WasmExecutor::with_isolation(cache.path(), isolation.clone())?;
+        exec.keep_workers_ready(ready);
         let t = Instant::now();
         let task = exec.compile(&self.kernel, false)?;
         let compile_ms = t.elapsed().as_secs_f64() * 1000.0;
         let mut wasm_times = Vec::new();
         for _ in 0..self.runs {
             let out: Captured = Default::default();
+            wait_ready(&exec, ready)?;
             let t = Instant::now();
             exec.run(&task, self.spec(self.args.clone(), out.clone()))?;
             wasm_times.push(t.elapsed().as_secs_f64() * 1000.0);
@@ -406,11 +419,14 @@ impl SandboxRuns {
         exec.compile(&self.hello, false)?;
         let mut start_times = Vec::new();
         for _ in 0..self.runs.max(20) {
+            wait_ready(&exec, ready)?;
             start_times.push(self.time_hello(&exec)?);
         }
         let mut disk_times = Vec::new();
         for _ in 0..5 {
             let fresh = WasmExecutor::with_isolation(cache.path(), isolation.clone())?;
+            fresh.keep_workers_ready(ready);
+            wait_ready(&fresh, ready)?;
             disk_times.push(self.time_hello(&fresh)?);
         }
         for v in [&mut wasm_times, &mut start_times, &mut disk_times] {
@@ -425,12 +441,41 @@ impl SandboxRuns {
     }
 
     /// Time of one compile (a cache hit) and run of the trivial task, ms.
+    /// With `/input` and `/output` preopened as a job has them (`hello.wat` writes
+    /// `/output/hello.txt`, fd 4), `/output` a new directory as each job's is; the run
+    /// must succeed.
     fn time_hello(&self, exec: &WasmExecutor) -> Result<f64> {
+        let mut spec = self.spec(Vec::new(), Default::default());
+        spec.input_dir = Some(self.input_dir.clone());
+        static RUNS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let run = RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        spec.output_dir = self.output_dir.with_file_name(format!("hello-{run}"));
         let t = Instant::now();
         let task = exec.compile(&self.hello, false)?;
-        exec.run(&task, self.spec(Vec::new(), Default::default()))?;
-        Ok(t.elapsed().as_secs_f64() * 1000.0)
+        let outcome = exec.run(&task, spec)?;
+        let took = t.elapsed().as_secs_f64() * 1000.0;
+        if outcome != gpunode_sandbox::Outcome::Exited(0) {
+            bail!("hello.wat ended {outcome:?}");
+        }
+        Ok(took)
     }
+}
+
+/// Waits until `exec` has `n` worker processes started, then 20 ms for them to build
+/// their engines, as on a node idle between tasks (a minute at most).
+fn wait_ready(exec: &WasmExecutor, n: usize) -> Result<()> {
+    if n == 0 {
+        return Ok(());
+    }
+    let deadline = Instant::now() + std::time::Duration::from_secs(60);
+    while exec.workers_ready() < n {
+        if Instant::now() > deadline {
+            bail!("{n} sandbox worker(s) not ready after a minute");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    Ok(())
 }
 
 /// The example kernel built natively and for wasm32-wasip1 (release), building both.

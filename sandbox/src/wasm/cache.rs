@@ -66,7 +66,8 @@ impl ModuleCache {
         }
     }
 
-    /// Returns the module for `key`, compiling `bytes` with `engine` if needed.
+    /// Returns the module for `key`, compiling `bytes` with `engine` if needed (kept on
+    /// disk; in memory only once [`ModuleCache::remember`]ed).
     pub(crate) fn get_or_compile(
         &self,
         engine: &Engine,
@@ -104,12 +105,16 @@ impl ModuleCache {
                 m
             }
         };
+        Ok((module, source))
+    }
+
+    /// Keeps `module` in memory under `key` (the caller checked it can run).
+    pub(crate) fn remember(&self, key: &str, module: &Module) {
         let mut mem = self.memory.lock().unwrap_or_else(|p| p.into_inner());
         if mem.len() >= MAX_IN_MEMORY {
             mem.clear();
         }
         mem.insert(key.to_string(), module.clone());
-        Ok((module, source))
     }
 }
 

@@ -6,13 +6,16 @@
 //! deadline, cancellation and output caps); `Process` runs each guest in a worker
 //! process (see [`worker`]) compiled without epoch checks, which makes compute-bound
 //! code about 3x faster, and enforces the deadline, cancellation and output caps from
-//! outside by killing the worker. Memory limits apply inside either way.
+//! outside by killing the worker. Memory limits apply inside either way. Workers can be
+//! started ahead of need ([`WasmExecutor::keep_workers_ready`], see `pool`), still one
+//! process per task.
 //!
 //! `run` blocks (WASI p1's sync bindings drive their own runtime); callers run it on a
 //! thread of its own or through `spawn_blocking`, never on an async worker.
 
 mod cache;
 mod output;
+mod pool;
 pub mod worker;
 
 use std::path::{Path, PathBuf};
@@ -23,6 +26,7 @@ use std::time::{Duration, Instant};
 
 pub use cache::CacheSource;
 pub use output::OutputSink;
+pub use pool::MAX_READY_WORKERS;
 use wasmtime::{Config, Engine, Linker, Module, ResourceLimiter, Store, Trap, UpdateDeadline};
 use wasmtime_wasi::p1::WasiP1Ctx;
 use wasmtime_wasi::{FsPerms, I32Exit, WasiCtxBuilder};
@@ -223,6 +227,9 @@ pub enum Isolation {
 pub struct WasmExecutor {
     engine: Engine,
     fuel_engine: Engine,
+    /// WASI preview 1 linked for each engine, made once.
+    linker: Linker<Host>,
+    fuel_linker: Linker<Host>,
     cache: cache::ModuleCache,
     cache_dir: PathBuf,
     isolation: Isolation,
@@ -230,6 +237,10 @@ pub struct WasmExecutor {
     epoch: bool,
     stop_ticker: Arc<AtomicBool>,
     ticker: Option<JoinHandle<()>>,
+    /// Worker processes for `Isolation::Process`.
+    workers: Option<Arc<pool::WorkerPool>>,
+    /// This executor is a worker process's, which runs one guest and exits.
+    in_worker: bool,
 }
 
 fn engine_config(fuel: bool, epoch: bool) -> Config {
@@ -258,7 +269,9 @@ impl WasmExecutor {
     /// What a worker process runs one guest with: no epoch checks (it is killed from
     /// outside), and only the one engine that guest needs, to start fast.
     fn for_worker(cache_dir: &Path, fuel: bool) -> Result<WasmExecutor, SandboxError> {
-        WasmExecutor::build(cache_dir, Isolation::Thread, false, Some(fuel))
+        let mut exec = WasmExecutor::build(cache_dir, Isolation::Thread, false, Some(fuel))?;
+        exec.in_worker = true;
+        Ok(exec)
     }
 
     /// `only`: make just the plain (`Some(false)`) or the fuel (`Some(true)`) engine.
@@ -300,11 +313,25 @@ impl WasmExecutor {
         } else {
             None
         };
+        let linker = wasi_linker(&engine)?;
+        let fuel_linker = match only {
+            // One engine serves both.
+            Some(_) => linker.clone(),
+            None => wasi_linker(&fuel_engine)?,
+        };
+        let workers = match &isolation {
+            Isolation::Process(binary) => Some(pool::WorkerPool::new(binary, cache_dir)),
+            Isolation::Thread => None,
+        };
         Ok(WasmExecutor {
             engine,
             fuel_engine,
+            linker,
+            fuel_linker,
             cache,
             cache_dir: cache_dir.to_path_buf(),
+            workers,
+            in_worker: false,
             isolation,
             epoch,
             stop_ticker,
@@ -317,6 +344,20 @@ impl WasmExecutor {
         &self.isolation
     }
 
+    /// With `Isolation::Process`, keeps `n` worker processes started and waiting for a
+    /// task (at most [`MAX_READY_WORKERS`]; 0 stops the waiting ones), so a task skips the
+    /// process start. Each still runs one task only. No effect on threads.
+    pub fn keep_workers_ready(&self, n: usize) {
+        if let Some(pool) = &self.workers {
+            pool.keep_ready(n);
+        }
+    }
+
+    /// Worker processes started and waiting for a task now.
+    pub fn workers_ready(&self) -> usize {
+        self.workers.as_ref().map_or(0, |p| p.ready())
+    }
+
     fn engine_for(&self, fuel: bool) -> &Engine {
         if fuel {
             &self.fuel_engine
@@ -325,24 +366,83 @@ impl WasmExecutor {
         }
     }
 
+    fn linker_for(&self, fuel: bool) -> &Linker<Host> {
+        if fuel {
+            &self.fuel_linker
+        } else {
+            &self.linker
+        }
+    }
+
+    /// Runs a trivial guest once, exactly as a task runs (its module from the cache,
+    /// then linked, instantiated and run with a WASI context, stdout and an `/output`
+    /// directory), so that a worker started ahead of need has paid, while it waited,
+    /// what a process's first guest pays: code paged in, trap handlers, allocators and
+    /// WASI's runtime set up. Its `/output` is a directory of its own in the cache
+    /// directory, removed after.
+    pub(crate) fn warm_up(&self) -> Result<(), SandboxError> {
+        let task = self.compile(WARM_UP_GUEST.as_bytes(), false)?;
+        let output_dir = self
+            .cache_dir
+            .join(format!("warm-up-{}", std::process::id()));
+        let outcome = self.run_here(
+            &task,
+            RunSpec {
+                args: Vec::new(),
+                env: Vec::new(),
+                input_dir: None,
+                output_dir: output_dir.clone(),
+                limits: Limits::default(),
+                stdout: Box::new(|_| {}),
+                stderr: Box::new(|_| {}),
+                cancel: CancelToken::new(),
+            },
+        );
+        let _ = std::fs::remove_dir_all(&output_dir);
+        match outcome? {
+            Outcome::Exited(0) => Ok(()),
+            other => Err(SandboxError::Setup(format!("warm-up ended {other:?}"))),
+        }
+    }
+
     /// Compiles (or fetches from the cache) a `.wasm` or `.wat` module and checks that
     /// it is a WASI command this sandbox can run: every import is a WASI preview 1
-    /// function and it exports `_start`.
+    /// function and it exports `_start`. A module already in memory passed the checks.
     pub fn compile(&self, bytes: &[u8], fuel: bool) -> Result<CompiledTask, SandboxError> {
+        let (task, key) = self.load(bytes, fuel)?;
+        if task.source != CacheSource::Memory {
+            self.check(&task)?;
+            self.cache.remember(&key, &task.module);
+        }
+        Ok(task)
+    }
+
+    /// The module from the cache (or compiled), unchecked: `compile` checks, and a
+    /// worker runs only modules its parent checked.
+    fn load(&self, bytes: &[u8], fuel: bool) -> Result<(CompiledTask, String), SandboxError> {
         let hash = blake3::hash(bytes).to_hex().to_string();
         let key = format!(
             "{hash}-{}-{}",
             if fuel { "fuel" } else { "plain" },
             if self.epoch { "epoch" } else { "free" }
         );
-        let engine = self.engine_for(fuel);
         let (module, source) = self
             .cache
-            .get_or_compile(engine, &key, bytes)
+            .get_or_compile(self.engine_for(fuel), &key, bytes)
             .map_err(|e| SandboxError::InvalidModule(format!("{e:#}")))?;
-        let mut linker: Linker<Host> = Linker::new(engine);
-        wasmtime_wasi::p1::add_to_linker_sync(&mut linker, |h: &mut Host| &mut h.wasi)
-            .map_err(|e| SandboxError::Setup(e.to_string()))?;
+        let task = CompiledTask {
+            module,
+            fuel,
+            bytes: Arc::new(bytes.to_vec()),
+            hash,
+            source,
+        };
+        Ok((task, key))
+    }
+
+    /// Whether `task` is a WASI command this sandbox can run.
+    fn check(&self, task: &CompiledTask) -> Result<(), SandboxError> {
+        let module = &task.module;
         for import in module.imports() {
             if import.module() != "wasi_snapshot_preview1" {
                 return Err(SandboxError::InvalidModule(format!(
@@ -352,30 +452,24 @@ impl WasmExecutor {
                 )));
             }
         }
-        linker.instantiate_pre(&module).map_err(|e| {
-            SandboxError::InvalidModule(format!("its imports cannot be satisfied: {e:#}"))
-        })?;
+        self.linker_for(task.fuel)
+            .instantiate_pre(module)
+            .map_err(|e| {
+                SandboxError::InvalidModule(format!("its imports cannot be satisfied: {e:#}"))
+            })?;
         if module.get_export("_start").is_none() {
             return Err(SandboxError::InvalidModule(
                 "it exports no `_start` function (build it as a WASI command, e.g. --target wasm32-wasip1)".into(),
             ));
         }
-        Ok(CompiledTask {
-            module,
-            fuel,
-            bytes: Arc::new(bytes.to_vec()),
-            hash,
-            source,
-        })
+        Ok(())
     }
 
     /// Runs a compiled task to its outcome. Blocks the calling thread.
     pub fn run(&self, task: &CompiledTask, spec: RunSpec) -> Result<Outcome, SandboxError> {
-        match &self.isolation {
-            Isolation::Process(binary) => {
-                worker::run_in_worker(binary, &self.cache_dir, task, spec)
-            }
-            Isolation::Thread => self.run_here(task, spec),
+        match &self.workers {
+            Some(pool) => worker::run_in_worker(pool, &self.cache_dir, task, spec),
+            None => self.run_here(task, spec),
         }
     }
 
@@ -406,10 +500,8 @@ impl WasmExecutor {
             spec.output_dir.clone(),
             (exceeded_stdout.clone(), exceeded_stderr.clone()),
         ));
-        let mut linker: Linker<Host> = Linker::new(engine);
-        wasmtime_wasi::p1::add_to_linker_sync(&mut linker, |h: &mut Host| &mut h.wasi)
-            .map_err(|e| SandboxError::Setup(e.to_string()))?;
-        let result = linker
+        let result = self
+            .linker_for(task.fuel)
             .instantiate(&mut store, &task.module)
             .and_then(|instance| instance.get_typed_func::<(), ()>(&mut store, "_start"))
             .and_then(|start| start.call(&mut store, ()));
@@ -417,6 +509,12 @@ impl WasmExecutor {
             Ok(()) => Outcome::Exited(0),
             Err(e) => classify(&e, &exceeded_stdout, &exceeded_stderr),
         };
+        if self.in_worker {
+            // The process ends with this guest: unmapping its memory is left to the
+            // exit, after the outcome is sent; the parent checks `/output`.
+            std::mem::forget(store);
+            return Ok(outcome);
+        }
         // Output left behind counts whatever the guest's exit status.
         if let Outcome::Exited(_) = outcome {
             let l = &spec.limits;
@@ -427,6 +525,38 @@ impl WasmExecutor {
         }
         Ok(outcome)
     }
+}
+
+/// What [`WasmExecutor::warm_up`] runs: the steps of a small task (memory grown, a line
+/// to stdout, which goes nowhere, a file created in its `/output`, which is fd 3 as it
+/// has no `/input`, written and closed, and `proc_exit(0)`).
+const WARM_UP_GUEST: &str = r#"(module
+  (import "wasi_snapshot_preview1" "fd_write" (func $w (param i32 i32 i32 i32) (result i32)))
+  (import "wasi_snapshot_preview1" "path_open"
+    (func $open (param i32 i32 i32 i32 i32 i64 i64 i32 i32) (result i32)))
+  (import "wasi_snapshot_preview1" "fd_close" (func $close (param i32) (result i32)))
+  (import "wasi_snapshot_preview1" "proc_exit" (func $exit (param i32)))
+  (memory (export "memory") 1)
+  (data (i32.const 64) "warm\n")
+  (data (i32.const 128) "warm.txt")
+  (func (export "_start")
+    (drop (memory.grow (i32.const 1)))
+    (i32.store (i32.const 0) (i32.const 64))
+    (i32.store (i32.const 4) (i32.const 5))
+    (drop (call $w (i32.const 1) (i32.const 0) (i32.const 1) (i32.const 16)))
+    (if (i32.eqz (call $open (i32.const 3) (i32.const 0) (i32.const 128) (i32.const 8)
+                   (i32.const 9) (i64.const 64) (i64.const 0) (i32.const 0) (i32.const 32)))
+      (then
+        (drop (call $w (i32.load (i32.const 32)) (i32.const 0) (i32.const 1) (i32.const 16)))
+        (drop (call $close (i32.load (i32.const 32))))))
+    (call $exit (i32.const 0))))"#;
+
+/// WASI preview 1 linked for `engine`.
+fn wasi_linker(engine: &Engine) -> Result<Linker<Host>, SandboxError> {
+    let mut linker: Linker<Host> = Linker::new(engine);
+    wasmtime_wasi::p1::add_to_linker_sync(&mut linker, |h: &mut Host| &mut h.wasi)
+        .map_err(|e| SandboxError::Setup(e.to_string()))?;
+    Ok(linker)
 }
 
 /// The guest's WASI context but for stdout and stderr: its argv and environment, no
@@ -441,6 +571,10 @@ fn wasi_builder(spec: &RunSpec) -> Result<WasiCtxBuilder, SandboxError> {
         .allow_udp(false)
         .allow_ip_name_lookup(false);
     b.socket_addr_check(|_, _| Box::pin(async { false }));
+    // Guests run synchronously on a thread of their own: file operations block it
+    // directly instead of hopping to Tokio's blocking pool and back (which costs a
+    // cross-thread wake-up per operation).
+    b.allow_blocking_current_thread(true);
     if let Some(input) = &spec.input_dir {
         b.preopened_dir(input, "/input", FsPerms::ReadOnly)
             .map_err(|e| SandboxError::Setup(format!("input dir {}: {e}", input.display())))?;

@@ -1,5 +1,9 @@
 //! Guest stdout and stderr: forwarded to the caller as they are written, up to a cap.
 //! Writing past the cap fails in the guest and marks the run as over its output limit.
+//!
+//! The stream is synchronous ([`OutputStream`]): a guest's write reaches the sink on the
+//! guest's own thread, with no Tokio task between (WASI's default adapter for async
+//! writers hands every write to a task on another thread).
 
 use std::io;
 use std::pin::Pin;
@@ -7,8 +11,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
+use bytes::Bytes;
 use tokio::io::AsyncWrite;
 use wasmtime_wasi::cli::{IsTerminal, StdoutStream};
+use wasmtime_wasi::p2::{OutputStream, Pollable, StreamError, StreamResult};
 
 /// Receives output bytes as the guest writes them.
 pub type OutputSink = Box<dyn FnMut(&[u8]) + Send>;
@@ -45,9 +51,53 @@ impl IsTerminal for CappedOutput {
     }
 }
 
+impl CappedOutput {
+    /// Passes `buf` to the sink, unless it would go over the cap.
+    fn forward(&self, buf: &[u8]) -> io::Result<usize> {
+        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if s.written + buf.len() as u64 > s.cap {
+            self.exceeded.store(true, Ordering::SeqCst);
+            return Err(io::Error::other("output limit reached"));
+        }
+        s.written += buf.len() as u64;
+        (s.sink)(buf);
+        Ok(buf.len())
+    }
+}
+
+/// How much a guest may write at once (its writes are split to fit).
+const WRITE_PERMIT: usize = 64 * 1024;
+
 impl StdoutStream for CappedOutput {
     fn async_stream(&self) -> Box<dyn AsyncWrite + Send + Sync> {
         Box::new(self.clone())
+    }
+
+    fn p2_stream(&self) -> Box<dyn OutputStream> {
+        Box::new(self.clone())
+    }
+}
+
+#[async_trait::async_trait]
+impl Pollable for CappedOutput {
+    /// Always ready: a write goes straight to the sink.
+    async fn ready(&mut self) {}
+}
+
+#[async_trait::async_trait]
+impl OutputStream for CappedOutput {
+    fn write(&mut self, bytes: Bytes) -> StreamResult<()> {
+        self.forward(&bytes)
+            .map(|_| ())
+            .map_err(|e| StreamError::LastOperationFailed(e.into()))
+    }
+
+    fn flush(&mut self) -> StreamResult<()> {
+        Ok(())
+    }
+
+    fn check_write(&mut self) -> StreamResult<usize> {
+        Ok(WRITE_PERMIT)
     }
 }
 
@@ -57,14 +107,7 @@ impl AsyncWrite for CappedOutput {
         _: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        if s.written + buf.len() as u64 > s.cap {
-            self.exceeded.store(true, Ordering::SeqCst);
-            return Poll::Ready(Err(io::Error::other("output limit reached")));
-        }
-        s.written += buf.len() as u64;
-        (s.sink)(buf);
-        Poll::Ready(Ok(buf.len()))
+        Poll::Ready(self.forward(buf))
     }
 
     fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {

@@ -12,14 +12,14 @@
 
 use std::io::{BufRead, Read, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::mpsc;
+use std::process::{Child, ChildStderr, ChildStdout, ExitStatus};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
+use super::pool::WorkerPool;
 use super::{
     over_output_limits, CancelToken, CompiledTask, Limits, Outcome, OutputSink, RunSpec,
     SandboxError,
@@ -37,6 +37,10 @@ const POLL: Duration = Duration::from_millis(20);
 const OUTPUT_CHECK_POLLS: u32 = 5;
 /// Largest frame a worker sends (guest writes are split to fit).
 const MAX_FRAME: usize = 1 << 20;
+/// What a pipe holds before a write blocks (Linux's default).
+const PIPE_BUFFER: usize = 64 * 1024;
+/// How long a worker that reported its outcome may take to exit before it is killed.
+const EXIT_GRACE: Duration = Duration::from_secs(5);
 
 /// What the parent asks a worker to run.
 #[derive(Debug, Serialize, Deserialize)]
@@ -82,17 +86,43 @@ fn write_frame(out: &mut impl Write, tag: u8, data: &[u8]) -> std::io::Result<()
 }
 
 fn serve_one() -> Result<(), String> {
+    // WASI's host calls run their futures on the current Tokio runtime when there is
+    // one; without one, each call goes through a shared runtime with a yield, which
+    // wakes its threads. One small runtime for the worker's only guest.
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .map_err(|e| format!("cannot start the worker's runtime: {e}"))?;
+    let _in_runtime = runtime.enter();
+    // A worker started ahead of need builds its engine for the named cache while it
+    // waits for its task.
+    let warm_dir = std::env::args_os().nth(2).map(PathBuf::from);
+    let warm = warm_dir.as_deref().and_then(|dir| {
+        let exec = super::WasmExecutor::for_worker(dir, false).ok()?;
+        // A failed warm-up only means the task pays the first run's costs itself.
+        let _ = exec.warm_up();
+        Some(exec)
+    });
     let mut stdin = std::io::stdin().lock();
     let mut line = String::new();
-    stdin.read_line(&mut line).map_err(|e| e.to_string())?;
+    let read = stdin.read_line(&mut line).map_err(|e| e.to_string())?;
+    if read == 0 {
+        // The parent went away before giving a task (a ready worker no longer needed).
+        return Ok(());
+    }
     let req: WorkerRequest = serde_json::from_str(&line).map_err(|e| e.to_string())?;
     let mut module = vec![0u8; req.module_len];
     stdin.read_exact(&mut module).map_err(|e| e.to_string())?;
     drop(stdin);
-    let exec = super::WasmExecutor::for_worker(&req.cache_dir, req.fuel.is_some())
-        .map_err(|e| e.to_string())?;
-    let task = exec
-        .compile(&module, req.fuel.is_some())
+    let exec = match warm {
+        Some(exec) if req.fuel.is_none() && warm_dir.as_deref() == Some(&*req.cache_dir) => exec,
+        _ => super::WasmExecutor::for_worker(&req.cache_dir, req.fuel.is_some())
+            .map_err(|e| e.to_string())?,
+    };
+    // The parent checked the module before sending it.
+    let (task, _) = exec
+        .load(&module, req.fuel.is_some())
         .map_err(|e| e.to_string())?;
     let out = Arc::new(Mutex::new(std::io::stdout()));
     let sink = |tag: u8| -> super::OutputSink {
@@ -136,37 +166,103 @@ enum Frame {
     Done(Outcome),
 }
 
-fn read_frames(mut from: impl Read, to: mpsc::SyncSender<Frame>) {
-    loop {
-        let mut header = [0u8; 5];
-        if from.read_exact(&mut header).is_err() {
-            return;
+/// The worker's stdout, read into frames on the watching thread: it waits for data
+/// with `poll(2)` and a timeout, so no thread stands between the worker and the caller.
+struct FrameReader {
+    stdout: ChildStdout,
+    buf: Vec<u8>,
+    /// The worker closed its stdout, or sent something that is not a frame.
+    ended: bool,
+}
+
+impl FrameReader {
+    fn new(stdout: ChildStdout) -> FrameReader {
+        FrameReader {
+            stdout,
+            buf: Vec::new(),
+            ended: false,
         }
-        let len = u32::from_le_bytes([header[1], header[2], header[3], header[4]]) as usize;
+    }
+
+    /// The next frame if one arrives within `timeout` (`Ok(None)`: not yet); `Err` once
+    /// the stream has ended (closed, broken, or a malformed frame).
+    fn next(&mut self, timeout: Duration) -> Result<Option<Frame>, ()> {
+        let until = Instant::now() + timeout;
+        loop {
+            if let Some(frame) = self.parse()? {
+                return Ok(Some(frame));
+            }
+            if self.ended {
+                return Err(());
+            }
+            let left = until.saturating_duration_since(Instant::now());
+            let wait = rustix::event::Timespec {
+                tv_sec: left.as_secs() as i64,
+                tv_nsec: i64::from(left.subsec_nanos()),
+            };
+            let mut fds = [rustix::event::PollFd::new(
+                &self.stdout,
+                rustix::event::PollFlags::IN,
+            )];
+            match rustix::event::poll(&mut fds, Some(&wait)) {
+                Ok(0) => return Ok(None),
+                Ok(_) => self.fill(),
+                Err(rustix::io::Errno::INTR) => {}
+                Err(_) => self.ended = true,
+            }
+        }
+    }
+
+    /// Reads what is there (poll said readable, so this does not block).
+    fn fill(&mut self) {
+        let mut chunk = [0u8; 64 * 1024];
+        match self.stdout.read(&mut chunk) {
+            Ok(0) | Err(_) => self.ended = true,
+            Ok(n) => self.buf.extend_from_slice(&chunk[..n]),
+        }
+    }
+
+    /// A whole frame from the buffer, if there is one.
+    fn parse(&mut self) -> Result<Option<Frame>, ()> {
+        if self.buf.len() < 5 {
+            return Ok(None);
+        }
+        let len = u32::from_le_bytes([self.buf[1], self.buf[2], self.buf[3], self.buf[4]]) as usize;
         if len > MAX_FRAME {
-            return;
+            self.ended = true;
+            return Err(());
         }
-        let mut data = vec![0u8; len];
-        if from.read_exact(&mut data).is_err() {
-            return;
+        if self.buf.len() < 5 + len {
+            return Ok(None);
         }
-        let frame = match header[0] {
+        let tag = self.buf[0];
+        let data: Vec<u8> = self.buf.drain(..5 + len).skip(5).collect();
+        match tag {
             TAG_OUTCOME => match serde_json::from_slice(&data) {
-                Ok(o) => Frame::Done(o),
-                Err(_) => return,
+                Ok(o) => Ok(Some(Frame::Done(o))),
+                Err(_) => {
+                    self.ended = true;
+                    Err(())
+                }
             },
-            tag => Frame::Out(tag, data),
-        };
-        if to.send(frame).is_err() {
-            return;
+            tag => Ok(Some(Frame::Out(tag, data))),
         }
     }
 }
 
-/// Runs `task` in a worker process started from `binary`, enforcing `spec`'s limits
-/// from outside. Blocks the calling thread.
+/// Runs `task` in a worker process from `pool` (a ready one, or one started now),
+/// enforcing `spec`'s limits from outside. Blocks the calling thread.
 pub(crate) fn run_in_worker(
-    binary: &Path,
+    pool: &WorkerPool,
+    cache_dir: &Path,
+    task: &CompiledTask,
+    spec: RunSpec,
+) -> Result<Outcome, SandboxError> {
+    run_in(pool, cache_dir, task, spec)
+}
+
+fn run_in(
+    pool: &WorkerPool,
     cache_dir: &Path,
     task: &CompiledTask,
     mut spec: RunSpec,
@@ -175,7 +271,13 @@ pub(crate) fn run_in_worker(
         SandboxError::Setup(format!("output dir {}: {e}", spec.output_dir.display()))
     })?;
     let line = request_line(cache_dir, task, &spec)?;
-    let worker = Worker::start(binary, line, task.bytes.clone(), spec.limits.wall_time)?;
+    let child = pool.take().map_err(|e| {
+        SandboxError::Setup(format!(
+            "cannot start the sandbox worker {}: {e}",
+            pool.binary().display()
+        ))
+    })?;
+    let mut worker = Worker::start(child, line, task.bytes.clone(), spec.limits.wall_time)?;
     let mut output = GuestOutput {
         stdout: &mut spec.stdout,
         stderr: &mut spec.stderr,
@@ -194,21 +296,24 @@ pub(crate) fn run_in_worker(
         worker.stop();
         return Ok(outcome);
     }
-    let (status, worker_errors, rx) = worker.finish()?;
-    // Frames still queued when the worker exited.
-    while let Ok(frame) = rx.try_recv() {
-        match frame {
-            Frame::Out(tag, data) => {
-                if let Some(over) = output.forward(tag, &data) {
-                    return Ok(over);
-                }
-            }
-            Frame::Done(o) => reported = Some(o),
-        }
+    // The worker reported its outcome or closed its stdout; everything it wrote before
+    // has been passed on.
+    if let Some(Outcome::Exited(code)) = reported {
+        // The guest has ended and its files are written: the result does not wait for
+        // the worker's process to exit, which is reaped in the background.
+        pool.retire(worker.child);
+        return Ok(final_outcome(
+            Some(Outcome::Exited(code)),
+            None,
+            "",
+            &spec.limits,
+            &spec.output_dir,
+        ));
     }
+    let (status, worker_errors) = worker.finish()?;
     Ok(final_outcome(
         reported,
-        status,
+        Some(status),
         &worker_errors,
         &spec.limits,
         &spec.output_dir,
@@ -264,44 +369,30 @@ impl GuestOutput<'_> {
     }
 }
 
-/// A running worker process and the threads that feed it and read it.
+/// A running worker process, its stdout read as frames, and the thread that feeds it
+/// a request too large for the pipe.
 struct Worker {
     child: Child,
     /// When its wall-clock time runs out.
     deadline: Instant,
-    /// Frames read from its stdout.
-    rx: mpsc::Receiver<Frame>,
-    writer: JoinHandle<()>,
-    reader: JoinHandle<()>,
-    /// Collects the first 64 KiB of its stderr.
-    errors: JoinHandle<String>,
+    frames: FrameReader,
+    /// Writes a request too large for the pipe's buffer.
+    writer: Option<JoinHandle<()>>,
+    /// The worker's own errors (guest output comes in frames), read once it has exited.
+    stderr: ChildStderr,
 }
 
 impl Worker {
-    /// Starts the worker from `binary` with an empty environment and writes it `line`
-    /// and the module's `bytes`; its deadline is `wall_time` from now.
+    /// Gives the started worker `child` its task: writes it `line` and the module's
+    /// `bytes`; its deadline is `wall_time` from now.
     fn start(
-        binary: &Path,
+        mut child: Child,
         line: Vec<u8>,
         bytes: Arc<Vec<u8>>,
         wall_time: Duration,
     ) -> Result<Worker, SandboxError> {
-        let setup = |e: std::io::Error| {
-            SandboxError::Setup(format!(
-                "cannot start the sandbox worker {}: {e}",
-                binary.display()
-            ))
-        };
-        let mut child = Command::new(binary)
-            .arg(WORKER_ARG)
-            .env_clear()
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .map_err(setup)?;
         let deadline = Instant::now() + wall_time;
-        let (mut stdin, stdout, mut stderr) =
+        let (mut stdin, stdout, stderr) =
             match (child.stdin.take(), child.stdout.take(), child.stderr.take()) {
                 (Some(i), Some(o), Some(e)) => (i, o, e),
                 _ => {
@@ -310,32 +401,31 @@ impl Worker {
                     return Err(SandboxError::Setup("worker pipes missing".into()));
                 }
             };
-        let writer = std::thread::spawn(move || {
+        let writer = if line.len() + bytes.len() <= PIPE_BUFFER {
+            // Fits the empty pipe: the write cannot block.
             let _ = stdin.write_all(&line);
             let _ = stdin.write_all(&bytes);
-        });
-        let (tx, rx) = mpsc::sync_channel(16);
-        let reader = std::thread::spawn(move || read_frames(stdout, tx));
-        let errors = std::thread::spawn(move || {
-            let mut text = Vec::new();
-            let _ = (&mut stderr).take(64 * 1024).read_to_end(&mut text);
-            String::from_utf8_lossy(&text).trim().to_string()
-        });
+            None
+        } else {
+            Some(std::thread::spawn(move || {
+                let _ = stdin.write_all(&line);
+                let _ = stdin.write_all(&bytes);
+            }))
+        };
         Ok(Worker {
             child,
             deadline,
-            rx,
+            frames: FrameReader::new(stdout),
             writer,
-            reader,
-            errors,
+            stderr,
         })
     }
 
-    /// Passes output on and notes the reported outcome until the worker closes its
-    /// stdout (`None`) or must be stopped: cancelled, past its deadline or over an
+    /// Passes output on until the worker reports its outcome or closes its stdout
+    /// (`None`), or must be stopped: cancelled, past its deadline or over an
     /// output limit (the outcome to report).
     fn watch(
-        &self,
+        &mut self,
         output: &mut GuestOutput<'_>,
         reported: &mut Option<Outcome>,
         limits: &Limits,
@@ -344,14 +434,19 @@ impl Worker {
     ) -> Option<Outcome> {
         let mut polls = 0u32;
         loop {
-            match self.rx.recv_timeout(POLL) {
-                Ok(Frame::Out(tag, data)) => match output.forward(tag, &data) {
+            match self.frames.next(POLL) {
+                Ok(Some(Frame::Out(tag, data))) => match output.forward(tag, &data) {
                     Some(over) => return Some(over),
                     None => continue,
                 },
-                Ok(Frame::Done(o)) => *reported = Some(o),
-                Err(mpsc::RecvTimeoutError::Timeout) => {}
-                Err(mpsc::RecvTimeoutError::Disconnected) => return None,
+                // The outcome is the worker's last frame: everything it wrote before
+                // has been passed on.
+                Ok(Some(Frame::Done(o))) => {
+                    *reported = Some(o);
+                    return None;
+                }
+                Ok(None) => {}
+                Err(()) => return None,
             }
             if cancel.is_cancelled() {
                 return Some(Outcome::Cancelled);
@@ -373,26 +468,36 @@ impl Worker {
     /// Kills the worker and waits for it and its threads.
     fn stop(mut self) {
         let _ = self.child.kill();
-        // The reader may be blocked handing over a frame: dropping the receiver frees it.
-        drop(self.rx);
         let _ = self.child.wait();
-        let _ = self.writer.join();
-        let _ = self.reader.join();
-        let _ = self.errors.join();
+        if let Some(w) = self.writer {
+            let _ = w.join();
+        }
     }
 
-    /// Waits for a worker that closed its stdout: its exit status, what it wrote to
-    /// stderr, and the frames still queued.
-    fn finish(mut self) -> Result<(ExitStatus, String, mpsc::Receiver<Frame>), SandboxError> {
-        // The worker closed its stdout, so the reader has ended.
+    /// Waits for a worker that reported its outcome or closed its stdout (killing it if
+    /// it lingers): its exit status and what it wrote to stderr.
+    fn finish(mut self) -> Result<(ExitStatus, String), SandboxError> {
+        let until = Instant::now() + EXIT_GRACE;
+        while Instant::now() < until {
+            match self.child.try_wait() {
+                Ok(Some(_)) | Err(_) => break,
+                Ok(None) => std::thread::sleep(Duration::from_millis(1)),
+            }
+        }
+        let _ = self.child.kill();
         let status = self
             .child
             .wait()
             .map_err(|e| SandboxError::Setup(e.to_string()))?;
-        let _ = self.writer.join();
-        let _ = self.reader.join();
-        let worker_errors = self.errors.join().unwrap_or_default();
-        Ok((status, worker_errors, self.rx))
+        if let Some(w) = self.writer {
+            let _ = w.join();
+        }
+        // It has exited: what it wrote is in the pipe, at most its buffer.
+        let mut text = Vec::new();
+        let _ = (&mut self.stderr)
+            .take(PIPE_BUFFER as u64)
+            .read_to_end(&mut text);
+        Ok((status, String::from_utf8_lossy(&text).trim().to_string()))
     }
 }
 
@@ -400,7 +505,7 @@ impl Worker {
 /// directory's limits when it exited), or a trap naming its status and errors.
 fn final_outcome(
     reported: Option<Outcome>,
-    status: ExitStatus,
+    status: Option<ExitStatus>,
     worker_errors: &str,
     limits: &Limits,
     output_dir: &Path,
@@ -417,10 +522,16 @@ fn final_outcome(
             outcome
         }
         None if worker_errors.is_empty() => Outcome::Trapped(format!(
-            "the sandbox worker ended without a result ({status})"
+            "the sandbox worker ended without a result ({})",
+            exit_status(status)
         )),
         None => Outcome::Trapped(format!(
-            "the sandbox worker failed ({status}): {worker_errors}"
+            "the sandbox worker failed ({}): {worker_errors}",
+            exit_status(status)
         )),
     }
+}
+
+fn exit_status(status: Option<ExitStatus>) -> String {
+    status.map_or_else(|| "still running".to_string(), |s| s.to_string())
 }

@@ -1,0 +1,245 @@
+//! Worker processes started ahead of need, so a task does not wait for one to start.
+//!
+//! A ready worker is `BINARY __gpunode-wasm-worker CACHE_DIR` with an empty environment:
+//! it has started, built its wasmtime engine for the executor's cache, run a trivial
+//! guest through the same code a task takes, and blocks reading its request on stdin. It
+//! has seen no task. Each task takes one worker and the worker exits with the task, so
+//! isolation is the same as with a worker started on demand: one process per task, never
+//! reused. A keeper thread refills the pool up to the size the node asks for (one per CPU
+//! slot) and reaps workers whose tasks have ended, so neither happens on a task's path.
+//! A worker whose parent dies reads end-of-file and exits; the pool's drop kills the rest.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use super::worker::WORKER_ARG;
+
+/// Most workers kept ready, whatever the node asks for (each is a process holding an
+/// engine, a few MiB).
+pub const MAX_READY_WORKERS: usize = 16;
+
+/// How long a worker whose task has ended may take to exit before it is killed.
+const EXIT_GRACE: Duration = Duration::from_secs(5);
+/// How often the keeper looks at workers that are exiting.
+const REAP_EVERY: Duration = Duration::from_millis(5);
+
+/// What the keeper and the tasks share.
+#[derive(Default)]
+struct Shared {
+    ready: Vec<Child>,
+    /// Workers whose tasks ended, with when they are killed if still running.
+    exiting: Vec<(Child, Instant)>,
+    size: usize,
+    stopping: bool,
+}
+
+struct Inner {
+    binary: PathBuf,
+    cache_dir: PathBuf,
+    shared: Mutex<Shared>,
+    wake: Condvar,
+}
+
+/// Ready workers for one executor (see the module doc).
+pub(crate) struct WorkerPool {
+    inner: Arc<Inner>,
+    keeper: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl WorkerPool {
+    /// An empty pool of workers from `binary` for the module cache in `cache_dir`.
+    pub(crate) fn new(binary: &Path, cache_dir: &Path) -> Arc<WorkerPool> {
+        Arc::new(WorkerPool {
+            inner: Arc::new(Inner {
+                binary: binary.to_path_buf(),
+                cache_dir: cache_dir.to_path_buf(),
+                shared: Mutex::new(Shared::default()),
+                wake: Condvar::new(),
+            }),
+            keeper: Mutex::new(None),
+        })
+    }
+
+    /// The binary workers are started from.
+    pub(crate) fn binary(&self) -> &Path {
+        &self.inner.binary
+    }
+
+    /// Keeps `n` workers ready (at most [`MAX_READY_WORKERS`]; 0 stops the waiting
+    /// ones), starting them in the background.
+    pub(crate) fn keep_ready(&self, n: usize) {
+        let n = n.min(MAX_READY_WORKERS);
+        let excess: Vec<Child> = {
+            let mut shared = self.inner.lock();
+            shared.size = n;
+            let keep = shared.ready.len().min(n);
+            shared.ready.split_off(keep)
+        };
+        for child in excess {
+            stop(child);
+        }
+        if n > 0 {
+            self.wake_keeper();
+        }
+    }
+
+    /// Workers ready now.
+    pub(crate) fn ready(&self) -> usize {
+        self.inner.lock().ready.len()
+    }
+
+    /// A ready worker, or a new one when none is ready; the keeper starts its
+    /// replacement.
+    pub(crate) fn take(&self) -> std::io::Result<Child> {
+        let taken = loop {
+            let Some(mut child) = self.inner.lock().ready.pop() else {
+                break None;
+            };
+            // One that died while it waited (killed from outside) is not handed out.
+            match child.try_wait() {
+                Ok(None) => break Some(child),
+                _ => {
+                    let _ = child.wait();
+                }
+            }
+        };
+        match taken {
+            Some(child) => {
+                self.wake_keeper();
+                Ok(child)
+            }
+            None => self.inner.start(false),
+        }
+    }
+
+    /// A worker whose task has ended and that exits on its own: the keeper reaps it
+    /// (and kills it if it has not exited within [`EXIT_GRACE`]).
+    pub(crate) fn retire(&self, child: Child) {
+        self.inner
+            .lock()
+            .exiting
+            .push((child, Instant::now() + EXIT_GRACE));
+        self.wake_keeper();
+    }
+
+    /// Wakes the keeper, starting it the first time.
+    fn wake_keeper(&self) {
+        let mut keeper = self.keeper.lock().unwrap_or_else(|p| p.into_inner());
+        if keeper.is_none() {
+            let inner = self.inner.clone();
+            match std::thread::Builder::new()
+                .name("wasm-worker-pool".into())
+                .spawn(move || inner.keep())
+            {
+                Ok(handle) => *keeper = Some(handle),
+                Err(e) => tracing::warn!("cannot start the sandbox worker keeper: {e}"),
+            }
+        }
+        self.inner.wake.notify_one();
+    }
+}
+
+impl Inner {
+    fn lock(&self) -> MutexGuard<'_, Shared> {
+        self.shared.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Starts one worker: empty environment, piped stdio; `ahead` (started before its
+    /// task) tells it the cache to warm its engine for while it waits.
+    fn start(&self, ahead: bool) -> std::io::Result<Child> {
+        let mut command = Command::new(&self.binary);
+        command.arg(WORKER_ARG);
+        if ahead {
+            command.arg(&self.cache_dir);
+        }
+        command
+            .env_clear()
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+    }
+
+    /// The keeper: refills the pool, reaps exiting workers, and on stop kills the rest.
+    fn keep(&self) {
+        let mut shared = self.lock();
+        loop {
+            if shared.stopping {
+                let ready = std::mem::take(&mut shared.ready);
+                let exiting = std::mem::take(&mut shared.exiting);
+                drop(shared);
+                ready
+                    .into_iter()
+                    .chain(exiting.into_iter().map(|(c, _)| c))
+                    .for_each(stop);
+                return;
+            }
+            let now = Instant::now();
+            shared.exiting.retain_mut(|(child, kill_at)| {
+                match child.try_wait() {
+                    Ok(None) if now < *kill_at => true,
+                    Ok(None) => {
+                        let _ = child.kill();
+                        let _ = child.wait();
+                        false
+                    }
+                    // Exited (now reaped), or cannot be waited for.
+                    _ => false,
+                }
+            });
+            if shared.ready.len() < shared.size {
+                drop(shared);
+                let started = self.start(true);
+                shared = self.lock();
+                match started {
+                    Ok(child) if shared.ready.len() < shared.size && !shared.stopping => {
+                        shared.ready.push(child)
+                    }
+                    // The size went down while it started.
+                    Ok(child) => stop(child),
+                    Err(e) => {
+                        tracing::warn!("cannot start a sandbox worker ahead of need: {e}");
+                        shared.size = shared.ready.len();
+                    }
+                }
+                continue;
+            }
+            shared = if shared.exiting.is_empty() {
+                self.wake.wait(shared).unwrap_or_else(|p| p.into_inner())
+            } else {
+                self.wake
+                    .wait_timeout(shared, REAP_EVERY)
+                    .unwrap_or_else(|p| p.into_inner())
+                    .0
+            };
+        }
+    }
+}
+
+impl Drop for WorkerPool {
+    fn drop(&mut self) {
+        self.inner.lock().stopping = true;
+        self.inner.wake.notify_one();
+        let keeper = self.keeper.lock().unwrap_or_else(|p| p.into_inner()).take();
+        match keeper {
+            Some(handle) => {
+                let _ = handle.join();
+            }
+            None => {
+                let mut shared = self.inner.lock();
+                let ready = std::mem::take(&mut shared.ready);
+                drop(shared);
+                ready.into_iter().for_each(stop);
+            }
+        }
+    }
+}
+
+/// Kills a worker and reaps it.
+fn stop(mut child: Child) {
+    let _ = child.kill();
+    let _ = child.wait();
+}
