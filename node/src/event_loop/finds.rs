@@ -38,6 +38,10 @@ const STRAGGLER_GRACE_MIN: Duration = Duration::from_millis(100);
 const STRAGGLER_GRACE_MAX: Duration = Duration::from_secs(1);
 /// How long a query started before the routing table has any peer waits for one.
 const BOOTSTRAP_WAIT: Duration = Duration::from_secs(5);
+/// Most providers one query asks for adverts. A key has at most Kademlia's k = 20
+/// providers near it, and responses mostly name the same ones; a hostile responder
+/// naming 20 made-up providers in every response cannot make a query dial more.
+pub(super) const MAX_PROVIDERS_PER_FIND: usize = 64;
 
 /// An offer query in progress.
 pub(super) struct PendingFind {
@@ -67,7 +71,30 @@ pub(super) struct PendingFind {
     pub(super) deadline: Instant,
 }
 
+/// What a query does with a provider named to it.
+#[derive(Debug, PartialEq, Eq)]
+enum Named {
+    /// Ask it for its advert.
+    New,
+    /// Already asked (or this node itself).
+    Known,
+    /// The query has asked [`MAX_PROVIDERS_PER_FIND`] providers already.
+    OverBound,
+}
+
 impl PendingFind {
+    /// Takes note of `peer`, named as a provider (`local` is this node).
+    fn name(&mut self, peer: PeerId, local: &PeerId) -> Named {
+        if peer == *local || self.providers.contains(&peer) {
+            Named::Known
+        } else if self.providers.len() >= MAX_PROVIDERS_PER_FIND {
+            Named::OverBound
+        } else {
+            self.providers.insert(peer);
+            Named::New
+        }
+    }
+
     /// Whether `peer` was already given its second try; marks it as being given one.
     fn second_try_used(&mut self, peer: PeerId) -> bool {
         if self.retried.contains(&peer) {
@@ -195,8 +222,13 @@ impl EventLoop {
         let Some(find) = self.finds.get_mut(&id) else {
             return;
         };
-        if peer == self.local_peer || !find.providers.insert(peer) {
-            return;
+        match find.name(peer, &self.local_peer) {
+            Named::New => {}
+            Named::Known => return,
+            Named::OverBound => {
+                self.metrics.advert_rejected("too_many_providers");
+                return;
+            }
         }
         find.outstanding += 1;
         self.send_advert_request(id, peer);
@@ -483,5 +515,30 @@ impl EventLoop {
             providers: find.providers.len(),
             dht_requests: find.dht_requests,
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_query_asks_a_bounded_number_of_providers_once_each() {
+        let (tx, _rx) = oneshot::channel();
+        let mut find = PendingFind::new(OfferFilter::default(), tx);
+        let local = PeerId::random();
+        assert_eq!(find.name(local, &local), Named::Known, "never itself");
+        let first = PeerId::random();
+        assert_eq!(find.name(first, &local), Named::New);
+        assert_eq!(find.name(first, &local), Named::Known, "once each");
+        for _ in 1..MAX_PROVIDERS_PER_FIND {
+            assert_eq!(find.name(PeerId::random(), &local), Named::New);
+        }
+        // A responder naming made-up providers without end gets no more dials.
+        for _ in 0..1_000 {
+            assert_eq!(find.name(PeerId::random(), &local), Named::OverBound);
+        }
+        assert_eq!(find.providers.len(), MAX_PROVIDERS_PER_FIND);
+        assert_eq!(find.name(first, &local), Named::Known);
     }
 }
