@@ -187,3 +187,33 @@ async fn gpu_taken_by_its_owner_is_shown_busy() {
     assert_eq!(status.inventory.gpus[1].processes[0].pid, 4242);
     net.shutdown().await;
 }
+
+/// Issue 16: a three-node network (two A100s on the first node, a T4 on the second, a
+/// requester, all bootstrapped to the first) sometimes did not show the T4 within 40 s
+/// on a busy machine. Five fresh networks in a row: the requester sees both providers,
+/// asked as soon as it has a peer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_three_node_network_shows_every_provider_every_time() {
+    for round in 0..5 {
+        let net = TestNet::gpu_providers(&["2xA100-80GB", "1xT4-16GB"])
+            .with_clients(1)
+            .start()
+            .await
+            .expect("start");
+        let client = net.client(0);
+        let both = peers_of(&net, &[0, 1]);
+        let t4 = filter(Some("T4"), None, None);
+        let seen = TestNet::wait_for_offers(&client.handle, &t4, Duration::from_secs(40), |o| {
+            ids(o) == peers_of(&net, &[1])
+        })
+        .await;
+        assert!(seen.is_ok(), "round {round}: the T4 was not shown: {seen:?}");
+        let all = filter(None, None, None);
+        let seen = TestNet::wait_for_offers(&client.handle, &all, Duration::from_secs(40), |o| {
+            ids(o) == both
+        })
+        .await;
+        assert!(seen.is_ok(), "round {round}: not every provider: {seen:?}");
+        net.shutdown().await;
+    }
+}
