@@ -120,6 +120,11 @@ pub struct TransferReport {
     pub iperf3_mb_s: Option<f64>,
     /// Our median over iperf3's figure.
     pub ratio: Option<f64>,
+    /// QUIC only: a plain quinn stream with the same cipher in the same run, MB/s (the
+    /// stack's ceiling: `bench_quinn`).
+    pub plain_quinn_mb_s: Option<f64>,
+    /// Our median over the plain quinn stream's figure.
+    pub ratio_to_quinn: Option<f64>,
 }
 
 /// Sends a fresh `bytes` input to a provider `runs` times per transport, timing from
@@ -184,6 +189,10 @@ pub async fn transfer(bytes: u64, runs: usize) -> Result<Vec<TransferReport>> {
         sorted.sort_by(f64::total_cmp);
         let median = percentile(&sorted, 0.5);
         let iperf = iperf3(transport, bytes).ok();
+        let quinn = match transport {
+            Transport::Quic => Some(crate::bench_quinn::plain_quinn_mb_s(bytes).await?),
+            Transport::Tcp => None,
+        };
         reports.push(TransferReport {
             transport: match transport {
                 Transport::Quic => "quic".into(),
@@ -194,6 +203,8 @@ pub async fn transfer(bytes: u64, runs: usize) -> Result<Vec<TransferReport>> {
             runs_mb_s: speeds,
             iperf3_mb_s: iperf,
             ratio: iperf.map(|i| median / i),
+            plain_quinn_mb_s: quinn,
+            ratio_to_quinn: quinn.map(|q| median / q),
         });
         net.shutdown().await;
     }

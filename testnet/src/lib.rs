@@ -9,6 +9,7 @@ pub mod bench;
 pub mod bench_container;
 pub mod bench_hostile;
 pub mod bench_jobs;
+pub mod bench_quinn;
 mod fixture;
 pub mod jobs;
 pub mod ledger;

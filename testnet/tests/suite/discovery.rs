@@ -207,7 +207,10 @@ async fn a_three_node_network_shows_every_provider_every_time() {
             ids(o) == peers_of(&net, &[1])
         })
         .await;
-        assert!(seen.is_ok(), "round {round}: the T4 was not shown: {seen:?}");
+        assert!(
+            seen.is_ok(),
+            "round {round}: the T4 was not shown: {seen:?}"
+        );
         let all = filter(None, None, None);
         let seen = TestNet::wait_for_offers(&client.handle, &all, Duration::from_secs(40), |o| {
             ids(o) == both
