@@ -50,6 +50,20 @@ fn worker_children() -> Vec<u32> {
     pids
 }
 
+/// Whether process `pid` has exited and can be reaped: gone, or a zombie whose other
+/// threads have exited too (a killed multi-threaded process shows its main thread as a
+/// zombie while the others are still exiting, and cannot be waited for until then).
+fn dead(pid: u32) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return true;
+    };
+    let zombie = stat
+        .rsplit_once(") ")
+        .is_some_and(|(_, rest)| rest.starts_with('Z') || rest.starts_with('X'));
+    let threads = std::fs::read_dir(format!("/proc/{pid}/task")).map_or(0, |d| d.count());
+    zombie && threads <= 1
+}
+
 fn wait_until(what: &str, cond: impl Fn() -> bool) {
     let deadline = Instant::now() + Duration::from_secs(60);
     while !cond() {
@@ -127,13 +141,19 @@ fn ready_workers_run_one_task_each_under_every_limit_and_leave_nothing_behind() 
     wait_until("two workers are ready again", || {
         exec.workers_ready() == 2 && worker_children().len() == 2
     });
-    for pid in worker_children() {
+    let killed = worker_children();
+    for pid in &killed {
         let status = std::process::Command::new("kill")
             .args(["-9", &pid.to_string()])
             .status()
             .expect("kill");
         assert!(status.success());
     }
+    // A kill lands asynchronously: once they are dead (zombies, not yet reaped), a task
+    // must not be handed one of them.
+    wait_until("the killed workers are dead", || {
+        killed.iter().all(|p| dead(*p))
+    });
     let (outcome, stdout) = run(&exec, HELLO, limits(10_000, None));
     assert_eq!(outcome, Outcome::Exited(0));
     assert_eq!(stdout, b"hello\n");
