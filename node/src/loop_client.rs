@@ -67,6 +67,12 @@ pub(crate) enum Command {
         peer: PeerId,
         reply: oneshot::Sender<bool>,
     },
+    /// `peer` withdraws its request queued here under `ticket`.
+    WithdrawQueued {
+        peer: PeerId,
+        ticket: u128,
+        reply: oneshot::Sender<bool>,
+    },
     /// The price (millicredits per GPU-hour) in the peer's newest verified advert this
     /// node holds, without asking the DHT.
     KnownPrice {
@@ -174,6 +180,16 @@ impl LoopClient {
     ) -> Result<Result<LocalCancel, Rejection>, NodeError> {
         self.ask(|reply| Command::CancelLocal { prefix, reply })
             .await
+    }
+
+    /// `peer` withdraws its request queued here under `ticket`; whether it was there.
+    pub async fn withdraw_queued(&self, peer: PeerId, ticket: u128) -> Result<bool, NodeError> {
+        self.ask(|reply| Command::WithdrawQueued {
+            peer,
+            ticket,
+            reply,
+        })
+        .await
     }
 
     /// The lease with this id or unique id prefix.

@@ -150,6 +150,7 @@ impl Services<'_> {
             crate::lease::turns::TURN_STREAM_LIMITS,
             Arc::new(crate::lease::turns::TurnNotices {
                 turns: handle.queue_turns().clone(),
+                client: handle.loop_client().clone(),
                 metrics: handle.metrics().clone(),
             }),
         )?;

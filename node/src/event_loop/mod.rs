@@ -258,6 +258,15 @@ impl EventLoop {
                     .and_then(|id| book.get(&id).cloned().ok_or(LeaseOpError::Vanished));
                 let _ = reply.send(r);
             }
+            Command::WithdrawQueued {
+                peer,
+                ticket,
+                reply,
+            } => {
+                let (withdrawn, effects) = self.desk.withdraw(&peer, ticket, now_ms());
+                self.carry_out(effects);
+                let _ = reply.send(withdrawn);
+            }
             Command::IsConnected { peer, reply } => {
                 let _ = reply.send(self.connections.contains_key(&peer));
             }

@@ -2,8 +2,11 @@
 //! provider tells its requester at once, over [`TURN_PROTOCOL`], instead of leaving the
 //! GPUs idle until the requester's next poll.
 //!
-//! The notice is [`NOTICE_BYTES`] bytes: a version byte and the request's 16-byte
-//! ticket, which only the requester and the providers it asked know. A notice can only
+//! The notice is [`NOTICE_BYTES`] bytes: a kind byte and the request's 16-byte ticket,
+//! which only the requester and the providers it asked know. The same protocol carries
+//! the other way a requester's withdrawal: it took another provider's offer, so the
+//! providers still queueing it free its place at once instead of 3 s later (and tell
+//! the requests that now start); a peer can withdraw only its own request. A notice can only
 //! make a requester ask again early; it never grants or costs anything. So the requester
 //! acts on one only for a ticket it waits under, from a provider whose last answer said
 //! the ticket is queued there, and no sooner than [`MIN_ASK_GAP`] after its last ask (a
@@ -25,11 +28,22 @@ use crate::router::{StreamGate, StreamHandler, StreamLimits};
 /// Protocol name of queue-turn notices.
 pub const TURN_PROTOCOL: StreamProtocol = StreamProtocol::new("/gpunode/queue-turn/1.0.0");
 
-/// The only notice version this build sends and reads.
-const NOTICE_VERSION: u8 = 1;
+/// Kind byte of "your turn came" (provider to requester).
+const TURN: u8 = 1;
+/// Kind byte of "I no longer wait here" (requester to provider).
+const WITHDRAW: u8 = 2;
 
-/// A notice on the wire: version, then the ticket (big-endian).
+/// A notice on the wire: kind, then the ticket (big-endian).
 pub const NOTICE_BYTES: usize = 17;
+
+/// What a notice says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Notice {
+    /// The request queued under this ticket would start now.
+    Turn(u128),
+    /// The sender withdraws its request queued under this ticket.
+    Withdraw(u128),
+}
 
 /// How long sending one notice may take, dial included.
 const SEND_TIMEOUT: Duration = Duration::from_secs(2);
@@ -44,24 +58,34 @@ pub const TURN_STREAM_LIMITS: StreamLimits = StreamLimits {
     exchange: Some(Duration::from_secs(2)),
 };
 
-/// The bytes of the notice for `ticket`.
+/// The bytes of the notice that `ticket`'s turn came.
 pub fn encode_notice(ticket: u128) -> [u8; NOTICE_BYTES] {
+    encode(TURN, ticket)
+}
+
+/// The bytes of the withdrawal of the request queued under `ticket`.
+pub fn encode_withdrawal(ticket: u128) -> [u8; NOTICE_BYTES] {
+    encode(WITHDRAW, ticket)
+}
+
+fn encode(kind: u8, ticket: u128) -> [u8; NOTICE_BYTES] {
     let mut out = [0u8; NOTICE_BYTES];
-    out[0] = NOTICE_VERSION;
+    out[0] = kind;
     out[1..].copy_from_slice(&ticket.to_be_bytes());
     out
 }
 
-/// The ticket in a notice, or why it is not one.
-pub fn decode_notice(bytes: &[u8]) -> Result<u128, &'static str> {
-    match bytes {
-        [NOTICE_VERSION, ticket @ ..] if ticket.len() == 16 => {
-            let mut t = [0u8; 16];
-            t.copy_from_slice(ticket);
-            Ok(u128::from_be_bytes(t))
-        }
-        [NOTICE_VERSION, ..] => Err("a notice is 17 bytes"),
-        _ => Err("unknown notice version"),
+/// What a notice says, or why it is not one.
+pub fn decode_notice(bytes: &[u8]) -> Result<Notice, &'static str> {
+    let [kind, ticket @ ..] = bytes else {
+        return Err("an empty notice");
+    };
+    let ticket: [u8; 16] = ticket.try_into().map_err(|_| "a notice is 17 bytes")?;
+    let ticket = u128::from_be_bytes(ticket);
+    match *kind {
+        TURN => Ok(Notice::Turn(ticket)),
+        WITHDRAW => Ok(Notice::Withdraw(ticket)),
+        _ => Err("unknown notice kind"),
     }
 }
 
@@ -73,29 +97,39 @@ pub async fn send_turn(
     ticket: u128,
     metrics: Arc<Metrics>,
 ) {
-    let mut control = control;
+    match send_notice(control, peer, encode_notice(ticket)).await {
+        Ok(()) => metrics.queue_turn("sent"),
+        Err(e) => {
+            metrics.queue_turn("send_failed");
+            tracing::debug!(%peer, "cannot tell a queued requester its turn came: {e}");
+        }
+    }
+}
+
+/// Requester side: tells `peer` that the request queued there under `ticket` is
+/// withdrawn. Failures are only logged (the place goes stale in 3 s anyway).
+pub async fn send_withdrawal(control: libp2p_stream::Control, peer: PeerId, ticket: u128) {
+    if let Err(e) = send_notice(control, peer, encode_withdrawal(ticket)).await {
+        tracing::debug!(%peer, "cannot withdraw a queued request: {e}");
+    }
+}
+
+async fn send_notice(
+    mut control: libp2p_stream::Control,
+    peer: PeerId,
+    bytes: [u8; NOTICE_BYTES],
+) -> Result<(), String> {
     let send = async {
         let mut stream = control
             .open_stream(peer, TURN_PROTOCOL)
             .await
             .map_err(|e| e.to_string())?;
-        stream
-            .write_all(&encode_notice(ticket))
-            .await
-            .map_err(|e| e.to_string())?;
+        stream.write_all(&bytes).await.map_err(|e| e.to_string())?;
         stream.close().await.map_err(|e| e.to_string())
     };
-    match tokio::time::timeout(SEND_TIMEOUT, send).await {
-        Ok(Ok(())) => metrics.queue_turn("sent"),
-        Ok(Err(e)) => {
-            metrics.queue_turn("send_failed");
-            tracing::debug!(%peer, "cannot tell a queued requester its turn came: {e}");
-        }
-        Err(_) => {
-            metrics.queue_turn("send_failed");
-            tracing::debug!(%peer, "telling a queued requester its turn came timed out");
-        }
-    }
+    tokio::time::timeout(SEND_TIMEOUT, send)
+        .await
+        .map_err(|_| "timed out".to_string())?
 }
 
 /// Why a notice was not acted on.
@@ -195,6 +229,20 @@ impl TurnWait {
         }
     }
 
+    /// The ticket.
+    pub fn ticket(&self) -> u128 {
+        self.ticket
+    }
+
+    /// The providers whose queues hold the ticket, as their last answers said.
+    pub fn queued_at_now(&self) -> Vec<PeerId> {
+        self.turns
+            .lock()
+            .get(&self.ticket)
+            .map(|w| w.providers.iter().copied().collect())
+            .unwrap_or_default()
+    }
+
     /// Until a notice is acted on (one that came while nobody waited counts).
     pub async fn notified(&self) {
         self.notify.notified().await
@@ -207,10 +255,13 @@ impl Drop for TurnWait {
     }
 }
 
-/// Serves [`TURN_PROTOCOL`]: reads one notice and hands it to [`Turns`].
+/// Serves [`TURN_PROTOCOL`]: reads one notice and hands a turn to [`Turns`], a
+/// withdrawal to the lease desk.
 pub struct TurnNotices {
     /// The node's waiting jobs.
     pub turns: Arc<Turns>,
+    /// The event loop (its desk takes withdrawals).
+    pub client: crate::loop_client::LoopClient,
     /// Where notices are counted.
     pub metrics: Arc<Metrics>,
 }
@@ -236,10 +287,17 @@ impl StreamHandler for TurnNotices {
                 Ok(Ok(_)) => decode_notice(&buf),
             };
             let label = match result {
-                Ok(ticket) => match self.turns.notice(&peer, ticket) {
+                Ok(Notice::Turn(ticket)) => match self.turns.notice(&peer, ticket) {
                     Ok(()) => "woke",
                     Err(why) => why.label(),
                 },
+                Ok(Notice::Withdraw(ticket)) => {
+                    match self.client.withdraw_queued(peer, ticket).await {
+                        Ok(true) => "withdrawn",
+                        Ok(false) => "withdraw_not_queued",
+                        Err(_) => "withdraw_not_queued",
+                    }
+                }
                 Err(why) => {
                     tracing::debug!(%peer, "malformed queue-turn notice: {why}");
                     "malformed"
@@ -257,15 +315,19 @@ mod tests {
     #[test]
     fn notices_round_trip_and_malformed_ones_are_refused() {
         let t = 0x0123_4567_89ab_cdef_0011_2233_4455_6677u128;
-        assert_eq!(decode_notice(&encode_notice(t)), Ok(t));
+        assert_eq!(decode_notice(&encode_notice(t)), Ok(Notice::Turn(t)));
+        assert_eq!(
+            decode_notice(&encode_withdrawal(t)),
+            Ok(Notice::Withdraw(t))
+        );
         let bytes = encode_notice(t);
         assert!(decode_notice(&bytes[..16]).is_err(), "short");
         let mut long = bytes.to_vec();
         long.push(0);
         assert!(decode_notice(&long).is_err(), "long");
         let mut other = bytes;
-        other[0] = 2;
-        assert!(decode_notice(&other).is_err(), "unknown version");
+        other[0] = 3;
+        assert!(decode_notice(&other).is_err(), "unknown kind");
         assert!(decode_notice(&[]).is_err(), "empty");
     }
 

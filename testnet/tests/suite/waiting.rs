@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use futures::AsyncWriteExt;
-use gpunode_node::lease::turns::{encode_notice, TURN_PROTOCOL};
+use gpunode_node::lease::turns::{encode_notice, encode_withdrawal, TURN_PROTOCOL};
 
 use gpunode_node::jobs::{JobEvent, JobState};
 use gpunode_node::LeaseSpec;
@@ -96,6 +96,18 @@ async fn a_waiting_job_says_why_and_is_told_when_the_gpu_frees() {
         let _ = stream.write_all(&bytes).await;
         let _ = stream.close().await;
     }
+    // The holder, connected to the provider, tries to withdraw a request it does not
+    // own (it cannot know the ticket; it guesses): the provider refuses and counts it.
+    let mut stream = holder
+        .handle
+        .link()
+        .open_stream(net.provider(0).handle.peer_id(), TURN_PROTOCOL)
+        .await
+        .expect("a turn stream to the provider");
+    let _ = stream.write_all(&encode_withdrawal(0x5eed_f00d)).await;
+    let _ = stream.close().await;
+    let provider_metrics = net.provider(0).handle.metrics();
+    wait_for(|| provider_metrics.queue_turn_count("withdraw_not_queued") == 1).await;
     let metrics = client.handle.metrics();
     wait_for(|| metrics.queue_turn_count("unknown_ticket") == 1).await;
     wait_for(|| metrics.queue_turn_count("malformed") == 2).await;

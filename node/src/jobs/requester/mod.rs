@@ -157,7 +157,10 @@ impl Requester {
                 }
             };
             let lease = match asked {
-                Ok(l) => l,
+                Ok(l) => {
+                    waiting.withdraw_elsewhere(&l.provider, &self.control);
+                    l
+                }
                 Err(e) if attempt == 1 && wait && waitable(&e) => {
                     waiting.wait(&e, events, cancel).await;
                     attempt = 0;
@@ -439,6 +442,21 @@ impl WaitingRoom {
             last_reasons: None,
             turn,
             last_ask: tokio::time::Instant::now(),
+        }
+    }
+
+    /// The job got a lease from `granted`: the other providers still queueing it are
+    /// told to free its place now.
+    fn withdraw_elsewhere(&self, granted: &str, control: &libp2p_stream::Control) {
+        for peer in self.turn.queued_at_now() {
+            if peer.to_string() != granted {
+                let control = control.clone();
+                tokio::spawn(crate::lease::turns::send_withdrawal(
+                    control,
+                    peer,
+                    self.turn.ticket(),
+                ));
+            }
         }
     }
 

@@ -330,6 +330,34 @@ fn a_freed_gpu_tells_nobody_when_nobody_waits_or_the_waiter_went_quiet() {
 }
 
 #[test]
+fn a_withdrawn_request_frees_its_place_at_once_and_only_its_owner_can_withdraw_it() {
+    let mut desk = desk(1);
+    let (mut holder, mut a, mut b) = (Peer::new(), Peer::new(), Peer::new());
+    let t = Table::default();
+    let id = lease(&mut desk, &mut holder, 1, &t, NOW);
+    let (r, _) = desk.on_message(&a.id(), a.request(1, Some(1), NOW + 10), &t, NOW + 10);
+    assert!(matches!(r, LeaseReply::Queued(_)), "{r:?}");
+    let (r, _) = desk.on_message(&b.id(), b.request(1, Some(2), NOW + 20), &t, NOW + 20);
+    assert!(matches!(r, LeaseReply::Queued(_)), "{r:?}");
+    let (_, effects) = desk.cancel_local(&id.to_string(), NOW + 30);
+    assert_eq!(effects.turns, vec![(a.id(), 1)], "the head is told");
+    // `a` took another provider's offer. Nobody else can withdraw its request.
+    let stranger = Peer::new();
+    assert!(!desk.withdraw(&stranger.id(), 1, NOW + 40).0);
+    assert!(!desk.withdraw(&b.id(), 1, NOW + 40).0);
+    assert!(!desk.withdraw(&a.id(), 99, NOW + 40).0, "no such ticket");
+    let (withdrawn, effects) = desk.withdraw(&a.id(), 1, NOW + 40);
+    assert!(withdrawn);
+    assert_eq!(
+        effects.turns,
+        vec![(b.id(), 2)],
+        "the next one is told at once"
+    );
+    let (r, _) = desk.on_message(&b.id(), b.request(1, Some(2), NOW + 50), &t, NOW + 50);
+    assert!(matches!(r, LeaseReply::Offer { .. }), "{r:?}");
+}
+
+#[test]
 fn preemption_stops_the_lower_priority_lease_where_the_team_allows_it() {
     for preempts in [false, true] {
         let mut desk = desk(1);

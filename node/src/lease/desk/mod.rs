@@ -438,6 +438,19 @@ impl LeaseDesk {
         .1
     }
 
+    /// `peer` withdraws its request queued under `ticket`: its place is freed at once
+    /// (not 3 s later when it goes stale), and the requests that now start are told.
+    /// Returns whether the request was there and `peer`'s.
+    pub fn withdraw(&mut self, peer: &PeerId, ticket: u128, now: UnixMillis) -> (bool, Effects) {
+        let withdrawn = self.waiting.withdraw(peer, ticket);
+        let mut effects = Effects::default();
+        if withdrawn {
+            let timelines = self.book.timelines(now);
+            effects.turns = self.waiting.turns(&timelines, now);
+        }
+        (withdrawn, effects)
+    }
+
     /// Moves time forward: offers expire, leases end, reservations start.
     pub fn tick(&mut self, now: UnixMillis) -> Effects {
         self.tracked(now, |desk, effects| {

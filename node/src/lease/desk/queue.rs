@@ -116,6 +116,20 @@ impl WaitQueue {
             .collect()
     }
 
+    /// `peer` withdraws its request queued under `ticket` (it took another provider's
+    /// offer); returns whether it was there. Nobody can withdraw another's request.
+    pub(super) fn withdraw(&mut self, peer: &PeerId, ticket: u128) -> bool {
+        let ticket = Ticket(ticket);
+        let owned = self
+            .queue
+            .request(&ticket)
+            .is_some_and(|r| r.user == peer.to_string());
+        if owned {
+            self.queue.remove(&ticket);
+        }
+        owned
+    }
+
     /// A user's usage now (tests).
     #[cfg(test)]
     pub(super) fn usage_gpu_ms(&self, user: &str, now: UnixMillis) -> f64 {
