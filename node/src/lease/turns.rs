@@ -294,8 +294,8 @@ impl StreamHandler for TurnNotices {
                 Ok(Notice::Withdraw(ticket)) => {
                     match self.client.withdraw_queued(peer, ticket).await {
                         Ok(true) => "withdrawn",
-                        Ok(false) => "withdraw_not_queued",
-                        Err(_) => "withdraw_not_queued",
+                        // Not queued here, or the node is stopping.
+                        _ => "withdraw_not_queued",
                     }
                 }
                 Err(why) => {

@@ -256,15 +256,6 @@ pub(crate) fn run_in_worker(
     pool: &WorkerPool,
     cache_dir: &Path,
     task: &CompiledTask,
-    spec: RunSpec,
-) -> Result<Outcome, SandboxError> {
-    run_in(pool, cache_dir, task, spec)
-}
-
-fn run_in(
-    pool: &WorkerPool,
-    cache_dir: &Path,
-    task: &CompiledTask,
     mut spec: RunSpec,
 ) -> Result<Outcome, SandboxError> {
     std::fs::create_dir_all(&spec.output_dir).map_err(|e| {

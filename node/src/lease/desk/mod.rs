@@ -192,8 +192,7 @@ impl LeaseDesk {
         }
         effects.writes.extend(changes);
         if freed {
-            let timelines = self.book.timelines(now);
-            effects.turns = self.waiting.turns(&timelines, now);
+            effects.turns = self.turns(now);
         }
     }
 
@@ -438,6 +437,12 @@ impl LeaseDesk {
         .1
     }
 
+    /// The queued requests that start now, to be told (see `WaitQueue::turns`).
+    fn turns(&mut self, now: UnixMillis) -> Vec<(PeerId, u128)> {
+        let timelines = self.book.timelines(now);
+        self.waiting.turns(&timelines, now)
+    }
+
     /// `peer` withdraws its request queued under `ticket`: its place is freed at once
     /// (not 3 s later when it goes stale), and the requests that now start are told.
     /// Returns whether the request was there and `peer`'s.
@@ -445,8 +450,7 @@ impl LeaseDesk {
         let withdrawn = self.waiting.withdraw(peer, ticket);
         let mut effects = Effects::default();
         if withdrawn {
-            let timelines = self.book.timelines(now);
-            effects.turns = self.waiting.turns(&timelines, now);
+            effects.turns = self.turns(now);
         }
         (withdrawn, effects)
     }
