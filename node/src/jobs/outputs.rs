@@ -188,8 +188,7 @@ pub async fn receive_outputs<R: AsyncRead + Unpin>(
     limits.check(files).map_err(io::Error::other)?;
     for f in files {
         let std_file = staging.create_file(&f.path)?;
-        let mut file = tokio::fs::File::from_std(std_file);
-        wire::receive_blob::<_, _, ProviderMsg>(r, &mut file, &f.blob, |done| progress(f, done))
+        wire::receive_blob::<_, _, ProviderMsg>(r, std_file, &f.blob, |done| progress(f, done))
             .await?;
     }
     Ok(())
@@ -215,9 +214,7 @@ mod tests {
         let mut list = Vec::new();
         for (path, data) in files {
             list.push(file(path, data));
-            wire::send_blob(&mut wire_bytes, &mut &data[..], data.len() as u64, |_| {})
-                .await
-                .expect("send");
+            wire::send_bytes(&mut wire_bytes, data).await.expect("send");
         }
         (list, wire_bytes)
     }

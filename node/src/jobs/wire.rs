@@ -1,5 +1,10 @@
 //! Job inputs and outputs on the job stream: a whole blob sent or received as data
 //! frames (see [`crate::router::framing`]), with its hash checked on arrival.
+//!
+//! The disk side of a blob runs on a blocking thread beside the stream: a file is read
+//! ahead of the sender, and a received blob is hashed and written behind the receiver,
+//! at most [`CHUNKS_IN_FLIGHT`] chunks apart, with the chunk buffers recycled. The
+//! async workers only move chunks between the stream and that thread.
 
 use std::io;
 
@@ -7,86 +12,147 @@ use futures::{AsyncRead, AsyncWrite};
 use gpunode_protocol::job::{BlobRef, MAX_CHUNK_BYTES};
 use serde::de::DeserializeOwned;
 
-use crate::router::framing::{invalid, read_frame, write_data, Frame};
+use crate::router::framing::{invalid, read_frame_into, write_data, Frame};
 
-/// Sends `size` bytes read from `src` as data frames; `progress` sees the running total.
-pub(crate) async fn send_blob<W, R>(
+/// Chunks the disk thread may run ahead of (sending) or behind (receiving) the stream:
+/// enough to keep both busy, and a bound on the memory one transfer holds (4 MiB).
+const CHUNKS_IN_FLIGHT: usize = 4;
+
+/// Sends `data`, held in memory, as data frames.
+pub(crate) async fn send_bytes<W: AsyncWrite + Unpin>(w: &mut W, data: &[u8]) -> io::Result<()> {
+    for chunk in data.chunks(MAX_CHUNK_BYTES) {
+        write_data(w, chunk).await?;
+    }
+    Ok(())
+}
+
+/// Sends `size` bytes read from `src` (read ahead on a blocking thread) as data frames;
+/// `progress` sees the running total. A source shorter than `size` is an error.
+pub(crate) async fn send_blob<W, S>(
     w: &mut W,
-    src: &mut R,
+    src: S,
     size: u64,
     mut progress: impl FnMut(u64),
 ) -> io::Result<()>
 where
     W: AsyncWrite + Unpin,
-    R: tokio::io::AsyncRead + Unpin,
+    S: io::Read + Send + 'static,
 {
-    use tokio::io::AsyncReadExt as _;
-    let mut buf = vec![0u8; MAX_CHUNK_BYTES.min(size.max(1) as usize)];
+    let (full_tx, mut full_rx) = tokio::sync::mpsc::channel::<Vec<u8>>(CHUNKS_IN_FLIGHT);
+    let (spare_tx, mut spare_rx) = tokio::sync::mpsc::channel::<Vec<u8>>(CHUNKS_IN_FLIGHT + 2);
+    let reader = tokio::task::spawn_blocking(move || -> io::Result<()> {
+        let mut src = src;
+        let mut left = size;
+        while left > 0 {
+            let want = left.min(MAX_CHUNK_BYTES as u64) as usize;
+            let mut buf = spare_rx.try_recv().unwrap_or_default();
+            buf.resize(want, 0);
+            src.read_exact(&mut buf)?;
+            left -= want as u64;
+            if full_tx.blocking_send(buf).is_err() {
+                break; // the stream side stopped; it reports why
+            }
+        }
+        Ok(())
+    });
     let mut sent = 0u64;
     while sent < size {
-        let want = buf.len().min((size - sent) as usize);
-        src.read_exact(&mut buf[..want]).await?;
-        write_data(w, &buf[..want]).await?;
-        sent += want as u64;
+        let Some(chunk) = full_rx.recv().await else {
+            break;
+        };
+        write_data(w, &chunk).await?;
+        sent += chunk.len() as u64;
         progress(sent);
+        let _ = spare_tx.try_send(chunk); // dropped when enough are spare
+    }
+    drop(full_rx);
+    reader.await.map_err(io::Error::other)??;
+    if sent < size {
+        return Err(io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            format!("the source ended after {sent} of {size} bytes"),
+        ));
     }
     Ok(())
 }
 
-/// Receives one blob's data frames into `dst`, hashing as it goes; fails unless exactly
-/// `blob.size` bytes arrive and their blake3 is `blob.hash`.
-pub(crate) async fn receive_blob<R, W, T>(
+/// Receives one blob's data frames into `dst` (hashed and written behind the stream on
+/// a blocking thread) and gives `dst` back; fails unless exactly `blob.size` bytes
+/// arrive and their blake3 is `blob.hash`. `progress` sees the running total received.
+pub(crate) async fn receive_blob<R, D, T>(
     r: &mut R,
-    dst: &mut W,
+    dst: D,
     blob: &BlobRef,
     mut progress: impl FnMut(u64),
-) -> io::Result<()>
+) -> io::Result<D>
 where
     R: AsyncRead + Unpin,
-    W: tokio::io::AsyncWrite + Unpin,
+    D: io::Write + Send + 'static,
     T: DeserializeOwned,
 {
-    use tokio::io::AsyncWriteExt as _;
-    let mut hasher = blake3::Hasher::new();
-    let mut got = 0u64;
-    while got < blob.size {
-        match read_frame::<_, T>(r).await? {
-            Some(Frame::Data(chunk)) => {
-                got += chunk.len() as u64;
-                if got > blob.size {
+    let (full_tx, mut full_rx) = tokio::sync::mpsc::channel::<Vec<u8>>(CHUNKS_IN_FLIGHT);
+    let (spare_tx, mut spare_rx) = tokio::sync::mpsc::channel::<Vec<u8>>(CHUNKS_IN_FLIGHT + 2);
+    let writer = tokio::task::spawn_blocking(move || -> io::Result<(D, blake3::Hash)> {
+        let mut dst = dst;
+        let mut hasher = blake3::Hasher::new();
+        while let Some(chunk) = full_rx.blocking_recv() {
+            hasher.update(&chunk);
+            dst.write_all(&chunk)?;
+            let _ = spare_tx.try_send(chunk); // dropped when enough are spare
+        }
+        dst.flush()?;
+        Ok((dst, hasher.finalize()))
+    });
+    let received = async {
+        let mut got = 0u64;
+        while got < blob.size {
+            let buf = spare_rx.try_recv().unwrap_or_default();
+            match read_frame_into::<_, T>(r, buf).await? {
+                Some(Frame::Data(chunk)) => {
+                    got += chunk.len() as u64;
+                    if got > blob.size {
+                        return Err(invalid(format!(
+                            "blob {} is longer than the {} bytes announced",
+                            blob.hex(),
+                            blob.size
+                        )));
+                    }
+                    if full_tx.send(chunk).await.is_err() {
+                        break; // the writer stopped; its error says why
+                    }
+                    progress(got);
+                }
+                Some(Frame::Message(_)) => {
                     return Err(invalid(format!(
-                        "blob {} is longer than the {} bytes announced",
+                        "blob {} ended after {got} of {} bytes",
                         blob.hex(),
                         blob.size
-                    )));
+                    )))
                 }
-                hasher.update(&chunk);
-                dst.write_all(&chunk).await?;
-                progress(got);
-            }
-            Some(Frame::Message(_)) => {
-                return Err(invalid(format!(
-                    "blob {} ended after {got} of {} bytes",
-                    blob.hex(),
-                    blob.size
-                )))
-            }
-            None => {
-                return Err(io::Error::new(
-                    io::ErrorKind::UnexpectedEof,
-                    format!("the stream ended inside blob {}", blob.hex()),
-                ))
+                None => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        format!("the stream ended inside blob {}", blob.hex()),
+                    ))
+                }
             }
         }
+        Ok(())
     }
-    dst.flush().await?;
-    if hasher.finalize().as_bytes() != &blob.hash {
+    .await;
+    drop(full_tx);
+    let written = writer.await.map_err(io::Error::other)?;
+    let (dst, hash) = match (received, written) {
+        (_, Err(e)) | (Err(e), _) => return Err(e),
+        (Ok(()), Ok(w)) => w,
+    };
+    if hash.as_bytes() != &blob.hash {
         return Err(invalid(format!(
             "blob {} does not match its hash: corrupted in transit",
             blob.hex()
         )));
     }
-    Ok(())
+    Ok(dst)
 }
 
 /// blake3 and length of a file, read in chunks off the async workers.
@@ -118,11 +184,13 @@ mod tests {
             size: data.len() as u64,
         };
         let mut wire = Vec::new();
-        send_blob(&mut wire, &mut &data[..], blob.size, |_| {})
+        send_blob(&mut wire, io::Cursor::new(data.clone()), blob.size, |_| {})
             .await
             .unwrap();
-        let mut out = Vec::new();
-        receive_blob::<_, _, RequesterMsg>(&mut &wire[..], &mut out, &blob, |_| {})
+        let mut from_memory = Vec::new();
+        send_bytes(&mut from_memory, &data).await.unwrap();
+        assert_eq!(wire, from_memory);
+        let out = receive_blob::<_, _, RequesterMsg>(&mut &wire[..], Vec::new(), &blob, |_| {})
             .await
             .unwrap();
         assert_eq!(out, data);
@@ -131,16 +199,71 @@ mod tests {
         let mut bad = wire.clone();
         let n = bad.len();
         bad[n - 3] ^= 1;
-        let err = receive_blob::<_, _, RequesterMsg>(&mut &bad[..], &mut Vec::new(), &blob, |_| {})
+        let err = receive_blob::<_, _, RequesterMsg>(&mut &bad[..], Vec::new(), &blob, |_| {})
             .await
             .unwrap_err();
         assert!(err.to_string().contains("corrupted"), "{err}");
 
         // Truncated: an error, not a hang or a panic.
         let err =
-            receive_blob::<_, _, RequesterMsg>(&mut &wire[..n / 2], &mut Vec::new(), &blob, |_| {})
+            receive_blob::<_, _, RequesterMsg>(&mut &wire[..n / 2], Vec::new(), &blob, |_| {})
                 .await
                 .unwrap_err();
         assert_eq!(err.kind(), io::ErrorKind::UnexpectedEof);
+
+        // Longer than announced: refused as it arrives.
+        let mut long = wire.clone();
+        long.extend_from_slice(&wire[..wire.len().min(MAX_CHUNK_BYTES + 5)]);
+        let short = BlobRef {
+            size: blob.size - 1,
+            ..blob
+        };
+        let err = receive_blob::<_, _, RequesterMsg>(&mut &long[..], Vec::new(), &short, |_| {})
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("longer"), "{err}");
+    }
+
+    #[tokio::test]
+    async fn a_source_shorter_than_announced_or_a_failing_disk_is_an_error() {
+        let data = vec![1u8; MAX_CHUNK_BYTES + 10];
+        let err = send_blob(
+            &mut Vec::new(),
+            io::Cursor::new(data.clone()),
+            3 * MAX_CHUNK_BYTES as u64,
+            |_| {},
+        )
+        .await
+        .unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::UnexpectedEof);
+
+        /// A disk that fills after `room` bytes.
+        struct Full {
+            room: usize,
+        }
+        impl io::Write for Full {
+            fn write(&mut self, b: &[u8]) -> io::Result<usize> {
+                if self.room < b.len() {
+                    return Err(io::Error::new(io::ErrorKind::StorageFull, "disk full"));
+                }
+                self.room -= b.len();
+                Ok(b.len())
+            }
+            fn flush(&mut self) -> io::Result<()> {
+                Ok(())
+            }
+        }
+        let blob = BlobRef {
+            hash: *blake3::hash(&data).as_bytes(),
+            size: data.len() as u64,
+        };
+        let mut wire = Vec::new();
+        send_bytes(&mut wire, &data).await.unwrap();
+        let err =
+            receive_blob::<_, _, RequesterMsg>(&mut &wire[..], Full { room: 100 }, &blob, |_| {})
+                .await
+                .err()
+                .expect("a full disk is an error");
+        assert_eq!(err.kind(), io::ErrorKind::StorageFull);
     }
 }

@@ -55,6 +55,15 @@ async fn write_frame<W: AsyncWrite + Unpin>(w: &mut W, tag: u8, body: &[u8]) -> 
 pub async fn read_frame<R: AsyncRead + Unpin, T: DeserializeOwned>(
     r: &mut R,
 ) -> io::Result<Option<Frame<T>>> {
+    read_frame_into(r, Vec::new()).await
+}
+
+/// [`read_frame`], with a data frame read into `buf` (grown only where it is shorter),
+/// so that a caller can recycle chunk buffers instead of allocating one per chunk.
+pub async fn read_frame_into<R: AsyncRead + Unpin, T: DeserializeOwned>(
+    r: &mut R,
+    buf: Vec<u8>,
+) -> io::Result<Option<Frame<T>>> {
     let mut header = [0u8; 5];
     match r.read(&mut header[..1]).await? {
         0 => return Ok(None),
@@ -70,7 +79,8 @@ pub async fn read_frame<R: AsyncRead + Unpin, T: DeserializeOwned>(
                 .map_err(|e| invalid(e.to_string()))
         }
         FRAME_DATA if len <= MAX_CHUNK_BYTES => {
-            let mut body = vec![0; len];
+            let mut body = buf;
+            body.resize(len, 0);
             r.read_exact(&mut body).await?;
             Ok(Some(Frame::Data(body)))
         }

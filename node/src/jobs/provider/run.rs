@@ -152,10 +152,12 @@ impl JobService {
         let mut committed = UnpinOnDrop(&self.blobs, Vec::with_capacity(missing.len()));
         for blob in missing {
             let temp = self.blobs.temp_path();
-            let mut file = tokio::fs::File::create(&temp).await?;
-            let got = wire::receive_blob::<_, _, RequesterMsg>(r, &mut file, blob, |_| {}).await;
-            drop(file);
-            if let Err(e) = got.and_then(|()| self.blobs.commit(&temp, blob)) {
+            let file = tokio::fs::File::create(&temp).await?.into_std().await;
+            let got = wire::receive_blob::<_, _, RequesterMsg>(r, file, blob, |_| {}).await;
+            if let Err(e) = got.and_then(|file| {
+                drop(file);
+                self.blobs.commit(&temp, blob)
+            }) {
                 let _ = tokio::fs::remove_file(&temp).await;
                 let rej = reject(JobRefusal::Corrupt, e.to_string());
                 self.metrics.job_rejected(rej.code.label());
@@ -284,8 +286,8 @@ impl JobService {
         };
         framing::write_message(w, &ProviderMsg::Finished(report)).await?;
         for (file, path) in &outputs {
-            let mut src = tokio::fs::File::open(path).await?;
-            wire::send_blob(w, &mut src, file.blob.size, |_| {}).await?;
+            let src = tokio::fs::File::open(path).await?.into_std().await;
+            wire::send_blob(w, src, file.blob.size, |_| {}).await?;
         }
         w.flush().await
     }

@@ -105,17 +105,17 @@ impl Requester {
         for hash in missing {
             match (program, &prepared.image) {
                 (Some(blob), None) if blob.hash == *hash => {
-                    wire::send_blob(w, &mut &prepared.module[..], blob.size, |_| {}).await?;
+                    wire::send_bytes(w, &prepared.module).await?;
                     continue;
                 }
                 (Some(blob), Some(path)) if blob.hash == *hash => {
-                    let mut src = tokio::fs::File::open(path).await?;
+                    let src = tokio::fs::File::open(path).await?.into_std().await;
                     let name = path
                         .file_name()
                         .map(|n| n.to_string_lossy().into_owned())
                         .unwrap_or_else(|| "image".into());
                     let mut report = progress_reporter("upload", &name, blob.size, events);
-                    wire::send_blob(w, &mut src, blob.size, &mut report).await?;
+                    wire::send_blob(w, src, blob.size, &mut report).await?;
                     continue;
                 }
                 _ => {}
@@ -126,10 +126,10 @@ impl Requester {
                 ));
             };
             let size = local.file.blob.size;
-            let mut src = tokio::fs::File::open(&local.path).await?;
+            let src = tokio::fs::File::open(&local.path).await?.into_std().await;
             let name = local.file.path.clone();
             let mut report = progress_reporter("upload", &name, size, events);
-            wire::send_blob(w, &mut src, size, &mut report).await?;
+            wire::send_blob(w, src, size, &mut report).await?;
         }
         w.flush().await
     }
