@@ -16,6 +16,7 @@ pub mod data_dir;
 mod error;
 mod event_loop;
 mod handle;
+pub mod heap;
 pub mod inbound;
 pub mod inventory;
 pub mod jobs;

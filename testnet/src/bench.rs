@@ -42,12 +42,28 @@ pub struct DiscoveryReport {
     pub median_dht_requests: u32,
     /// Fraction of lookups that found every provider of the model.
     pub complete_fraction: f64,
-    /// Resident memory added per node, MiB.
+    /// Resident memory added per node once every advert is visible, MiB.
     pub rss_per_node_mib: f64,
+    /// Open connections per node (mean) once every advert is visible.
+    pub connections_per_node: f64,
+    /// Resident memory added per node after the lookups and then one idle-connection
+    /// timeout with nothing asked, MiB: the figure for an idle node.
+    pub idle_rss_per_node_mib: f64,
+    /// Open connections per node (mean) at that point.
+    pub idle_connections_per_node: f64,
     /// Seconds it took to start every node (each one has a peer in its routing table).
     pub nodes_started_s: f64,
     /// Seconds from start until every model's providers were all visible to the client.
     pub startup_s: f64,
+}
+
+/// Mean number of peers each node of `net` has a connection open to.
+async fn mean_connections(net: &TestNet) -> Result<f64> {
+    let mut total = 0usize;
+    for node in &net.nodes {
+        total += node.handle.status().await?.connected_peers.len();
+    }
+    Ok(total as f64 / net.nodes.len().max(1) as f64)
 }
 
 /// Resident set size of this process in bytes.
@@ -115,6 +131,7 @@ pub async fn discovery(n: usize, lookups: usize) -> Result<DiscoveryReport> {
     }
     let startup_s = started.elapsed().as_secs_f64();
     let rss_per_node = (rss_bytes().saturating_sub(rss_before)) as f64 / n as f64;
+    let connections_per_node = mean_connections(&net).await?;
 
     let mut times = Vec::with_capacity(lookups);
     let mut requests = Vec::with_capacity(lookups);
@@ -134,6 +151,12 @@ pub async fn discovery(n: usize, lookups: usize) -> Result<DiscoveryReport> {
     }
     times.sort_by(f64::total_cmp);
     requests.sort();
+    // Idle: nothing asked for one idle-connection timeout, then one look of each node's
+    // heap trimmer (`gpunode_node::heap`), and a margin.
+    let idle = gpunode_node::NodeConfig::default().idle_connection_timeout;
+    tokio::time::sleep(idle + gpunode_node::heap::CHECK_EVERY + Duration::from_secs(5)).await;
+    let idle_rss_per_node = (rss_bytes().saturating_sub(rss_before)) as f64 / n as f64;
+    let idle_connections_per_node = mean_connections(&net).await?;
     let report = DiscoveryReport {
         nodes: n,
         lookups,
@@ -142,6 +165,9 @@ pub async fn discovery(n: usize, lookups: usize) -> Result<DiscoveryReport> {
         median_dht_requests: requests[requests.len() / 2],
         complete_fraction: complete as f64 / lookups as f64,
         rss_per_node_mib: rss_per_node / (1024.0 * 1024.0),
+        connections_per_node,
+        idle_rss_per_node_mib: idle_rss_per_node / (1024.0 * 1024.0),
+        idle_connections_per_node,
         nodes_started_s,
         startup_s,
     };
