@@ -56,6 +56,10 @@ pub enum Command {
     Ledger(LedgerArgs),
     /// Known peers with reputation, jobs done for us, failures, disputes and balance.
     Peers(PeersArgs),
+    /// Check this machine's setup (data dir, config, network route, how peers see this
+    /// node, bootstrap peers, clocks, bubblewrap, cgroups, NVML, team certificate) and
+    /// print the exact fix for each problem; exits 1 when a check fails.
+    Doctor(DoctorArgs),
     /// Private team networks: create, invite, join, members, add, revoke, leave.
     #[command(subcommand)]
     Team(TeamCommand),
@@ -533,6 +537,14 @@ pub struct OffersArgs {
 #[derive(Debug, Args)]
 pub struct StatusArgs {
     /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `gpunode doctor`.
+#[derive(Debug, Args)]
+pub struct DoctorArgs {
+    /// Print the checks as JSON.
     #[arg(long)]
     pub json: bool,
 }

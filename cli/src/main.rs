@@ -57,8 +57,14 @@ async fn dispatch(cli: Cli) -> Result<ExitCode> {
         Some(d) => DataDir::new(d),
         None => DataDir::default_location()?,
     };
-    let config = helpers::load_config(cli.config.as_deref())?;
+    // `doctor` reads the config itself: one that does not load is a failed check there.
+    let config_path = cli.config.as_deref();
+    let config = match cli.command {
+        Command::Doctor(_) => gpunode_node::NodeConfig::default(),
+        _ => helpers::load_config(config_path)?,
+    };
     match cli.command {
+        Command::Doctor(args) => cmd::doctor::doctor(data_dir, config_path, args).await,
         Command::Serve(args) => cmd::serve::serve(data_dir, config, args).await,
         Command::Offers(args) => cmd::offers::offers(data_dir, config, args).await,
         Command::Status(args) => cmd::status::status(data_dir, args).await,

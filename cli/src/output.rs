@@ -154,6 +154,16 @@ pub fn print_status(out: &mut impl Write, s: &NodeStatus) -> io::Result<()> {
         s.connected_peers.len(),
         s.routing_table_size
     )?;
+    if let Some(seen) = s.observed_addrs.first() {
+        let behind_nat =
+            crate::cmd::doctor::check_reachability(s).verdict == crate::cmd::doctor::Verdict::Warn;
+        let note = if behind_nat {
+            " (not an address it listens on: behind NAT; `gpunode doctor` says what to do)"
+        } else {
+            ""
+        };
+        writeln!(out, "Seen by peers:  {seen}{note}")?;
+    }
     let a = &s.advert;
     if !a.enabled {
         writeln!(out, "Advert:         none (client node)")?;

@@ -3,24 +3,68 @@
 //! A node forming a network, or answering a burst of lookups, opens a connection to
 //! most peers (about 90 KiB each); the idle timeout closes them again, but glibc's
 //! allocator keeps the freed memory, so an idle node stayed at its peak (16.8 MiB per
-//! node at 100 nodes with every connection closed, 8.1 MiB once trimmed). This task
-//! watches the node's connection count and, once enough connections have closed since
-//! the last look, asks the allocator to return its free pages (`malloc_trim`).
+//! node at 100 nodes with every connection closed, 8.1 MiB once trimmed). One thread
+//! per process watches the process's connection count (every node's event loop holds a
+//! [`ConnectionCount`]) and, once enough connections have closed since the peak, asks
+//! the allocator to return its free pages (`malloc_trim`, which is process-wide: hence
+//! one watcher, however many nodes a process runs).
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
-
-use tokio::sync::watch;
-
-use crate::metrics::Metrics;
 
 /// How often the connection count is looked at.
 pub const CHECK_EVERY: Duration = Duration::from_secs(15);
 
-/// Closed connections (since the peak seen) that make a trim worth it: about 1.4 MiB.
+/// The fewest closed connections (since the peak seen) that make a trim worth it: about
+/// 1.4 MiB.
 pub const TRIM_AFTER_CLOSED: usize = 16;
 
-/// When to trim: after [`TRIM_AFTER_CLOSED`] connections closed since the highest
-/// count seen since the last trim.
+/// Open connections of every node in this process.
+static CONNECTIONS: AtomicUsize = AtomicUsize::new(0);
+
+/// One event loop's share of the process's connection count; what it still holds is
+/// given back when it drops (a swarm dropped with connections open reports no closes).
+#[derive(Debug)]
+pub struct ConnectionCount {
+    mine: usize,
+    total: &'static AtomicUsize,
+}
+
+impl Default for ConnectionCount {
+    fn default() -> Self {
+        ConnectionCount {
+            mine: 0,
+            total: &CONNECTIONS,
+        }
+    }
+}
+
+impl ConnectionCount {
+    /// Counts one more connection open, and starts the process's watcher if none runs.
+    pub fn opened(&mut self) {
+        self.mine += 1;
+        self.total.fetch_add(1, Ordering::Relaxed);
+        start_watcher();
+    }
+
+    /// Counts one connection closed.
+    pub fn closed(&mut self) {
+        if self.mine > 0 {
+            self.mine -= 1;
+            self.total.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+}
+
+impl Drop for ConnectionCount {
+    fn drop(&mut self) {
+        self.total.fetch_sub(self.mine, Ordering::Relaxed);
+    }
+}
+
+/// When to trim: once the count has fallen from the highest seen since the last trim
+/// by [`TRIM_AFTER_CLOSED`] or an eighth of that peak, whichever is more (so a process
+/// with thousands of connections does not trim at every small dip).
 #[derive(Debug, Default)]
 pub struct TrimRule {
     peak: usize,
@@ -30,7 +74,7 @@ impl TrimRule {
     /// Looks at the current connection count; true when the heap should be trimmed now.
     pub fn should_trim(&mut self, connections: usize) -> bool {
         self.peak = self.peak.max(connections);
-        if self.peak - connections >= TRIM_AFTER_CLOSED {
+        if self.peak - connections >= TRIM_AFTER_CLOSED.max(self.peak / 8) {
             self.peak = connections;
             return true;
         }
@@ -38,22 +82,27 @@ impl TrimRule {
     }
 }
 
-/// Runs until `stop`: checks the connection count every [`CHECK_EVERY`] and trims when
-/// [`TrimRule`] says so, on a blocking thread (a trim can take a few milliseconds).
-pub async fn run(metrics: std::sync::Arc<Metrics>, mut stop: watch::Receiver<bool>) {
-    let mut rule = TrimRule::default();
-    let mut every = tokio::time::interval(CHECK_EVERY);
-    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = every.tick() => {}
-            _ = stop.changed() => return,
+/// Starts the process's watcher thread once: every [`CHECK_EVERY`] it looks at the
+/// connection count and trims when [`TrimRule`] says so. It sleeps almost always and
+/// lives as long as the process.
+fn start_watcher() {
+    static STARTED: std::sync::Once = std::sync::Once::new();
+    STARTED.call_once(|| {
+        let spawned = std::thread::Builder::new()
+            .name("gpunode-heap".into())
+            .spawn(|| {
+                let mut rule = TrimRule::default();
+                loop {
+                    std::thread::sleep(CHECK_EVERY);
+                    if rule.should_trim(CONNECTIONS.load(Ordering::Relaxed)) {
+                        trim();
+                    }
+                }
+            });
+        if let Err(e) = spawned {
+            tracing::warn!("cannot start the heap trimmer: {e}");
         }
-        let connections = metrics.peers_connected.get().max(0) as usize;
-        if rule.should_trim(connections) {
-            let _ = tokio::task::spawn_blocking(trim).await;
-        }
-    }
+    });
 }
 
 /// Returns the allocator's free pages to the operating system.
@@ -83,6 +132,7 @@ mod tests {
             assert!(!rule.should_trim(n), "{n}");
         }
         // The threshold reached from the peak (100), not from the last look.
+        const { assert!(100 / 8 < TRIM_AFTER_CLOSED) };
         assert!(rule.should_trim(100 - TRIM_AFTER_CLOSED));
         // Counted again from where it trimmed.
         assert!(!rule.should_trim(100 - TRIM_AFTER_CLOSED - 1));
@@ -91,6 +141,32 @@ mod tests {
         // A node that never had many connections never trims.
         let mut small = TrimRule::default();
         assert!((0..TRIM_AFTER_CLOSED).all(|n| !small.should_trim(n) && !small.should_trim(0)));
+        // Thousands of connections: an eighth of the peak, not 16.
+        let mut big = TrimRule::default();
+        assert!(!big.should_trim(8000));
+        assert!(!big.should_trim(8000 - 999));
+        assert!(big.should_trim(7000));
+    }
+
+    #[test]
+    fn the_process_count_follows_opens_closes_and_a_dropped_loop() {
+        static TOTAL: AtomicUsize = AtomicUsize::new(0);
+        let count = || ConnectionCount {
+            mine: 0,
+            total: &TOTAL,
+        };
+        let (mut a, mut b) = (count(), count());
+        a.opened();
+        a.opened();
+        b.opened();
+        b.closed();
+        b.closed(); // more closes than opens: ignored
+        assert_eq!(TOTAL.load(Ordering::Relaxed), 2);
+        drop(b);
+        assert_eq!(TOTAL.load(Ordering::Relaxed), 2);
+        // A loop dropped with connections open gives its share back.
+        drop(a);
+        assert_eq!(TOTAL.load(Ordering::Relaxed), 0);
     }
 
     #[test]

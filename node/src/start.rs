@@ -125,7 +125,7 @@ struct Services<'a> {
 }
 
 impl Services<'_> {
-    /// The team's upkeep, the ledger writer, the heap trimmer, settlement of ended leases (`ended`), and
+    /// The team's upkeep, the ledger writer, settlement of ended leases (`ended`), and
     /// the stream router with settlement, team and (for a provider) job streams.
     fn spawn(
         self,
@@ -141,10 +141,6 @@ impl Services<'_> {
             tasks.push(tokio::spawn(run));
         }
         tasks.push(tokio::spawn(ledger_writer.run(stop.clone())));
-        tasks.push(tokio::spawn(crate::heap::run(
-            handle.metrics().clone(),
-            stop.clone(),
-        )));
         let accounts = handle.accounts();
         let mut router = router::Router::new(control, handle.metrics().clone());
         route_settlement_and_team(&mut router, handle, accounts, self.team)?;

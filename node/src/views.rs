@@ -114,6 +114,10 @@ pub struct NodeStatus {
     /// Jobs running here for peers, with their GPU use.
     #[serde(default)]
     pub running_jobs: Vec<crate::jobs::RunningJobView>,
+    /// Addresses gpunode peers report seeing this node at (identify's observed
+    /// address), newest first, at most 8: behind NAT they differ from `listen_addrs`.
+    #[serde(default)]
+    pub observed_addrs: Vec<String>,
 }
 
 /// A lease as people and scripts see it.

@@ -25,7 +25,7 @@ use futures::StreamExt;
 use gpunode_protocol::time::now_ms;
 use libp2p::identity::Keypair;
 use libp2p::kad::QueryId;
-use libp2p::{PeerId, Swarm};
+use libp2p::{Multiaddr, PeerId, Swarm};
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
@@ -68,6 +68,10 @@ pub(crate) struct EventLoop {
     inventory: InventorySnapshot,
     own: Option<OwnAdvert>,
     connections: HashMap<PeerId, usize>,
+    /// This loop's share of the process's connection count (see [`crate::heap`]).
+    connection_count: crate::heap::ConnectionCount,
+    /// Addresses gpunode peers report seeing this node at (identify), newest first.
+    observed: std::collections::VecDeque<Multiaddr>,
     finds: HashMap<u64, PendingFind>,
     next_find: u64,
     provider_queries: HashMap<QueryId, u64>,
@@ -138,6 +142,8 @@ impl EventLoop {
             inventory: parts.inventory,
             own,
             connections: HashMap::new(),
+            connection_count: crate::heap::ConnectionCount::default(),
+            observed: std::collections::VecDeque::new(),
             finds: HashMap::new(),
             next_find: 0,
             provider_queries: HashMap::new(),
@@ -346,6 +352,7 @@ impl EventLoop {
                 .collect(),
             team: None,
             running_jobs: self.lease_jobs.views(),
+            observed_addrs: self.observed.iter().map(|a| a.to_string()).collect(),
         }
     }
 

@@ -16,7 +16,17 @@ use libp2p::{identify, mdns, Multiaddr, PeerId, Swarm};
 use super::EventLoop;
 use crate::network::{NodeBehaviour, NodeBehaviourEvent};
 
+/// The most distinct observed addresses kept (a peer may report anything).
+const MAX_OBSERVED_ADDRS: usize = 8;
+
 impl EventLoop {
+    /// Remembers an address a gpunode peer says it sees this node at, newest first.
+    fn note_observed(&mut self, addr: Multiaddr) {
+        self.observed.retain(|a| a != &addr);
+        self.observed.push_front(addr);
+        self.observed.truncate(MAX_OBSERVED_ADDRS);
+    }
+
     pub(super) fn on_swarm_event(&mut self, event: SwarmEvent<NodeBehaviourEvent>) {
         match event {
             SwarmEvent::NewListenAddr { address, .. } => {
@@ -30,6 +40,7 @@ impl EventLoop {
                 peer_id, endpoint, ..
             } => {
                 *self.connections.entry(peer_id).or_default() += 1;
+                self.connection_count.opened();
                 self.metrics
                     .peers_connected
                     .set(self.connections.len() as i64);
@@ -42,6 +53,7 @@ impl EventLoop {
                 num_established,
                 ..
             } => {
+                self.connection_count.closed();
                 if num_established == 0 {
                     self.connections.remove(&peer_id);
                     self.rtts.remove(&peer_id);
@@ -63,6 +75,7 @@ impl EventLoop {
                 info,
                 ..
             })) if info.protocols.contains(&self.kad_protocol) => {
+                self.note_observed(info.observed_addr);
                 for addr in info.listen_addrs {
                     self.swarm.behaviour_mut().kad.add_address(&peer_id, addr);
                 }

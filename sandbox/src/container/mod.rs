@@ -28,3 +28,11 @@ pub use runner::{
     nvidia_driver_files, ContainerConfig, ContainerExecutor, ContainerLimits, ContainerSpec,
     GpuDevice, PauseToken, Root,
 };
+
+/// Whether container jobs here get cgroups of their own (a job's memory and process
+/// limits for its whole tree): tried by making, and removing, one empty group the way a
+/// job's is made. Without them jobs fall back to per-process rlimits.
+pub fn cgroups_delegated() -> bool {
+    let name = format!("gpunode-probe-{}", std::process::id());
+    cgroup::JobCgroup::create(&name, 64 << 20, 16, 0).is_some()
+}
