@@ -206,6 +206,12 @@ async fn wait_until_visible(net: &TestNet, client: &TestNode, m: usize, want: us
                     );
                 }
             }
+            for line in client.handle.metrics().encode().lines() {
+                if line.starts_with("gpunode_advert") || line.starts_with("gpunode_stream_refused")
+                {
+                    eprintln!("client {line}");
+                }
+            }
             bail!(
                 "{}: {} of {want} providers visible after 120s ({} provider records found)",
                 BENCH_MODELS[m],

@@ -257,6 +257,14 @@ fn up(nodes: usize, gpus: Vec<String>, dir: Option<PathBuf>) -> Result<()> {
 }
 
 fn main() -> Result<()> {
+    // Logs only when asked (`RUST_LOG=gpunode_node=debug`): a bench's figures are
+    // printed on stdout, its log goes to stderr.
+    if let Ok(filter) = std::env::var("RUST_LOG") {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+            .with_writer(std::io::stderr)
+            .try_init();
+    }
     match Cli::parse().command {
         Cmd::Up { nodes, gpus, dir } => up(nodes, gpus, dir),
         Cmd::Bench { which } => bench(which),
