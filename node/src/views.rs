@@ -118,6 +118,22 @@ pub struct NodeStatus {
     /// address), newest first, at most 8: behind NAT they differ from `listen_addrs`.
     #[serde(default)]
     pub observed_addrs: Vec<String>,
+    /// Each connected peer's link: its address, direct or relayed, and ping's RTT.
+    #[serde(default)]
+    pub connections: Vec<ConnectionView>,
+}
+
+/// How this node is connected to one peer now.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ConnectionView {
+    /// The peer.
+    pub peer_id: String,
+    /// The peer's address on the newest connection.
+    pub address: String,
+    /// `direct`, or `relayed` (through another peer: a `/p2p-circuit` address).
+    pub path: String,
+    /// The last ping round trip, ms (none yet right after connecting).
+    pub rtt_ms: Option<f64>,
 }
 
 /// A lease as people and scripts see it.

@@ -7,6 +7,7 @@ use std::process::ExitCode;
 use anyhow::Result;
 use gpunode_node::ledger::chain::VerifyReport;
 use gpunode_node::ledger::views::{ExportFormat, LedgerView, PeerView};
+use gpunode_node::views::{ConnectionView, NodeStatus};
 use gpunode_node::{DataDir, NodeConfig};
 
 use crate::args::{LedgerAction, LedgerArgs};
@@ -90,15 +91,20 @@ async fn export(data_dir: DataDir, config: NodeConfig, format: &str) -> Result<E
 
 /// `gpunode peers`.
 pub async fn peers(data_dir: DataDir, config: NodeConfig, json: bool) -> Result<ExitCode> {
-    let peers: Vec<PeerView> = match Target::daemon_or_store(data_dir, config).await? {
-        Target::Daemon(api) => api.get_json("/v1/peers").await?,
-        Target::Local(node) => node.once(async |h| h.peers_view()).await,
-    };
+    let (peers, links): (Vec<PeerView>, Vec<ConnectionView>) =
+        match Target::daemon_or_store(data_dir, config).await? {
+            Target::Daemon(api) => {
+                let status: NodeStatus = api.get_json("/v1/status").await?;
+                (api.get_json("/v1/peers").await?, status.connections)
+            }
+            Target::Local(node) => (node.once(async |h| h.peers_view()).await, Vec::new()),
+        };
     if json {
         println!("{}", serde_json::to_string_pretty(&peers)?);
         return Ok(ExitCode::SUCCESS);
     }
     let mut out = std::io::stdout().lock();
+    print_links(&mut out, &links)?;
     if peers.is_empty() {
         writeln!(out, "No known peers yet: reputation builds up as jobs run.")?;
         return Ok(ExitCode::SUCCESS);
@@ -130,6 +136,36 @@ pub async fn peers(data_dir: DataDir, config: NodeConfig, json: bool) -> Result<
         )?;
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The daemon's connections now: each peer, direct or relayed, its RTT and address.
+fn print_links(out: &mut impl Write, links: &[ConnectionView]) -> std::io::Result<()> {
+    if links.is_empty() {
+        return Ok(());
+    }
+    let relayed = links.iter().filter(|l| l.path == "relayed").count();
+    writeln!(
+        out,
+        "Connected to {} peer(s): {} direct, {relayed} relayed",
+        links.len(),
+        links.len() - relayed
+    )?;
+    writeln!(out, "{:<14} {:<8} {:>9}  ADDRESS", "PEER", "PATH", "RTT")?;
+    for l in links {
+        let rtt = l
+            .rtt_ms
+            .map(|ms| format!("{ms:.1} ms"))
+            .unwrap_or_else(|| "-".into());
+        writeln!(
+            out,
+            "{:<14} {:<8} {:>9}  {}",
+            short_peer(&l.peer_id),
+            l.path,
+            rtt,
+            l.address
+        )?;
+    }
+    writeln!(out)
 }
 
 fn print_ledger(out: &mut impl Write, v: &LedgerView) -> std::io::Result<()> {

@@ -70,6 +70,8 @@ pub(crate) struct EventLoop {
     connections: HashMap<PeerId, usize>,
     /// This loop's share of the process's connection count (see [`crate::heap`]).
     connection_count: crate::heap::ConnectionCount,
+    /// Each connected peer's address on its newest connection.
+    links: HashMap<PeerId, Multiaddr>,
     /// Addresses gpunode peers report seeing this node at (identify), newest first.
     observed: std::collections::VecDeque<Multiaddr>,
     finds: HashMap<u64, PendingFind>,
@@ -143,6 +145,7 @@ impl EventLoop {
             own,
             connections: HashMap::new(),
             connection_count: crate::heap::ConnectionCount::default(),
+            links: HashMap::new(),
             observed: std::collections::VecDeque::new(),
             finds: HashMap::new(),
             next_find: 0,
@@ -353,7 +356,28 @@ impl EventLoop {
             team: None,
             running_jobs: self.lease_jobs.views(),
             observed_addrs: self.observed.iter().map(|a| a.to_string()).collect(),
+            connections: self.connection_views(),
         }
+    }
+
+    fn connection_views(&self) -> Vec<crate::views::ConnectionView> {
+        let mut views: Vec<_> = self
+            .links
+            .iter()
+            .map(|(peer, addr)| {
+                let relayed = addr
+                    .iter()
+                    .any(|p| matches!(p, libp2p::multiaddr::Protocol::P2pCircuit));
+                crate::views::ConnectionView {
+                    peer_id: peer.to_string(),
+                    address: addr.to_string(),
+                    path: if relayed { "relayed" } else { "direct" }.to_string(),
+                    rtt_ms: self.rtts.get(peer).map(|d| d.as_secs_f64() * 1000.0),
+                }
+            })
+            .collect();
+        views.sort_by(|a, b| a.peer_id.cmp(&b.peer_id));
+        views
     }
 
     fn routing_table_size(&mut self) -> usize {

@@ -41,6 +41,8 @@ impl EventLoop {
             } => {
                 *self.connections.entry(peer_id).or_default() += 1;
                 self.connection_count.opened();
+                self.links
+                    .insert(peer_id, endpoint.get_remote_address().clone());
                 self.metrics
                     .peers_connected
                     .set(self.connections.len() as i64);
@@ -56,6 +58,7 @@ impl EventLoop {
                 self.connection_count.closed();
                 if num_established == 0 {
                     self.connections.remove(&peer_id);
+                    self.links.remove(&peer_id);
                     self.rtts.remove(&peer_id);
                 } else {
                     self.connections.insert(peer_id, num_established as usize);

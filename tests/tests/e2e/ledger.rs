@@ -86,7 +86,26 @@ fn ledgers_peers_verify_and_export_after_real_jobs() {
         .expect("the provider is listed");
     assert_eq!(p["jobs_done"], 2);
     assert!(p["reputation"].as_f64().expect("score") > 0.5);
-    assert!(stdout(&gpunode(&requester.data_dir, &["peers"])).contains("REPUTATION"));
+    // The daemon's link to the provider: direct, on loopback, listed by `peers`.
+    let status = json(&gpunode(&requester.data_dir, &["status", "--json"]));
+    let link = status["connections"]
+        .as_array()
+        .and_then(|a| a.iter().find(|c| c["peer_id"] == provider.peer_id.as_str()))
+        .expect("connected to the provider");
+    assert_eq!(link["path"], "direct", "{link}");
+    assert!(
+        link["address"]
+            .as_str()
+            .expect("address")
+            .starts_with("/ip4/127.0.0.1/"),
+        "{link}"
+    );
+    let text = stdout(&gpunode(&requester.data_dir, &["peers"]));
+    assert!(text.contains("REPUTATION"), "{text}");
+    assert!(
+        text.contains("Connected to") && text.contains(" direct "),
+        "{text}"
+    );
 
     // The provider holds the same receipts (it appends after the countersignature).
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
