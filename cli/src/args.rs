@@ -60,6 +60,17 @@ pub enum Command {
     /// node, bootstrap peers, clocks, bubblewrap, cgroups, NVML, team certificate) and
     /// print the exact fix for each problem; exits 1 when a check fails.
     Doctor(DoctorArgs),
+    /// Print a shell completion script: `gpunode completions bash > /etc/bash_completion.d/gpunode`.
+    Completions {
+        /// The shell.
+        shell: clap_complete::Shell,
+    },
+    /// Print the man page, or write one per command into --dir (for packaging).
+    Man {
+        /// Write gpunode.1, gpunode-serve.1, ... into this directory.
+        #[arg(long, value_name = "DIR")]
+        dir: Option<PathBuf>,
+    },
     /// Private team networks: create, invite, join, members, add, revoke, leave.
     #[command(subcommand)]
     Team(TeamCommand),

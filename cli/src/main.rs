@@ -53,6 +53,12 @@ fn main() -> ExitCode {
 
 /// Runs the command the flags name.
 async fn dispatch(cli: Cli) -> Result<ExitCode> {
+    // Neither needs a data dir or a config.
+    match &cli.command {
+        Command::Completions { shell } => return cmd::docs::completions(*shell),
+        Command::Man { dir } => return cmd::docs::man(dir.as_deref()),
+        _ => {}
+    }
     let data_dir = match &cli.data_dir {
         Some(d) => DataDir::new(d),
         None => DataDir::default_location()?,
@@ -64,6 +70,7 @@ async fn dispatch(cli: Cli) -> Result<ExitCode> {
         _ => helpers::load_config(config_path)?,
     };
     match cli.command {
+        Command::Completions { .. } | Command::Man { .. } => unreachable!("handled above"),
         Command::Doctor(args) => cmd::doctor::doctor(data_dir, config_path, args).await,
         Command::Serve(args) => cmd::serve::serve(data_dir, config, args).await,
         Command::Offers(args) => cmd::offers::offers(data_dir, config, args).await,

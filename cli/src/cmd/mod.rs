@@ -1,6 +1,7 @@
 //! One module per command group; each takes the parsed flags and does the work,
 //! through [`crate::target::Target`] when it needs the daemon or a node.
 
+pub mod docs;
 pub mod doctor;
 pub mod follow;
 pub mod jobs;
