@@ -27,14 +27,19 @@ pub fn init_logging(filter: &str) {
     // Kademlia warns about bootstrapping while a node has no peers yet; that is normal.
     let filter = std::env::var("RUST_LOG")
         .unwrap_or_else(|_| format!("{filter},libp2p_kad=error,libp2p_mdns=warn"));
-    let _ = tracing_subscriber::fmt()
+    let builder = tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_new(&filter)
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .try_init();
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
+    // The journal stamps each line itself.
+    let _ = if crate::systemd::logging_to_journal() {
+        builder.without_time().try_init()
+    } else {
+        builder.try_init()
+    };
 }
 
 /// This binary, which doubles as the sandbox worker; `None` (guests on threads) if

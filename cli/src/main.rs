@@ -10,6 +10,7 @@ mod args;
 mod cmd;
 mod helpers;
 mod output;
+mod systemd;
 mod target;
 
 use std::process::ExitCode;

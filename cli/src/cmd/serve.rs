@@ -27,7 +27,9 @@ pub async fn serve(data_dir: DataDir, mut config: NodeConfig, args: ServeArgs) -
         handle.peer_id(),
         data_dir.root().display()
     );
+    crate::systemd::notify(&format!("READY=1\nSTATUS=serving as {}", handle.peer_id()));
     wait_for_stop_signal().await?;
+    crate::systemd::notify("STOPPING=1");
     tracing::info!("shutting down: withdrawing advert and flushing the store");
     if tokio::time::timeout(Duration::from_secs(10), node.shutdown())
         .await
