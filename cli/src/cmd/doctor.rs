@@ -208,6 +208,13 @@ fn check_config(path: Option<&Path>) -> (NodeConfig, Check) {
             Check::new(NAME, Verdict::Ok, "no config file: defaults"),
         );
     };
+    if required && !path.exists() {
+        return (
+            NodeConfig::default(),
+            Check::new(NAME, Verdict::Fail, format!("{} does not exist", path.display()))
+                .fix("create it (example.config.toml lists every key), or leave out --config / GPUNODE_CONFIG for the defaults"),
+        );
+    }
     match NodeConfig::load(&path, required) {
         Ok(c) if path.exists() => (c, Check::new(NAME, Verdict::Ok, path.display().to_string())),
         Ok(c) => (c, Check::new(NAME, Verdict::Ok, format!("{} absent: defaults", path.display()))),
