@@ -64,15 +64,15 @@ async fn dispatch(cli: Cli) -> Result<ExitCode> {
         Some(d) => DataDir::new(d),
         None => DataDir::default_location()?,
     };
-    // `doctor` reads the config itself: one that does not load is a failed check there.
-    let config_path = cli.config.as_deref();
-    let config = match cli.command {
-        Command::Doctor(_) => gpunode_node::NodeConfig::default(),
-        _ => helpers::load_config(config_path)?,
-    };
+    if let Command::Doctor(args) = &cli.command {
+        // Reads the config itself: one that does not load is a failed check there.
+        return cmd::doctor::doctor(data_dir, cli.config.as_deref(), args).await;
+    }
+    let config = helpers::load_config(cli.config.as_deref())?;
     match cli.command {
-        Command::Completions { .. } | Command::Man { .. } => unreachable!("handled above"),
-        Command::Doctor(args) => cmd::doctor::doctor(data_dir, config_path, args).await,
+        Command::Completions { .. } | Command::Man { .. } | Command::Doctor(_) => {
+            unreachable!("handled above")
+        }
         Command::Serve(args) => cmd::serve::serve(data_dir, config, args).await,
         Command::Offers(args) => cmd::offers::offers(data_dir, config, args).await,
         Command::Status(args) => cmd::status::status(data_dir, args).await,

@@ -3,7 +3,7 @@
 //! A node forming a network, or answering a burst of lookups, opens a connection to
 //! most peers (about 90 KiB each); the idle timeout closes them again, but glibc's
 //! allocator keeps the freed memory, so an idle node stayed at its peak (16.8 MiB per
-//! node at 100 nodes with every connection closed, 8.1 MiB once trimmed). One thread
+//! node at 100 nodes with every connection closed, 7.6 MiB once trimmed). One thread
 //! per process watches the process's connection count (every node's event loop holds a
 //! [`ConnectionCount`]) and, once enough connections have closed since the peak, asks
 //! the allocator to return its free pages (`malloc_trim`, which is process-wide: hence

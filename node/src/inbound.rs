@@ -22,7 +22,7 @@ use libp2p::{Multiaddr, PeerId};
 use crate::metrics::Metrics;
 
 /// The IP address a multiaddr starts with, if any.
-fn ip_of(addr: &Multiaddr) -> Option<IpAddr> {
+pub fn ip_of(addr: &Multiaddr) -> Option<IpAddr> {
     match addr.iter().next()? {
         Protocol::Ip4(ip) => Some(IpAddr::V4(ip)),
         Protocol::Ip6(ip) => Some(IpAddr::V6(ip)),

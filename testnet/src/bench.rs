@@ -151,8 +151,8 @@ pub async fn discovery(n: usize, lookups: usize) -> Result<DiscoveryReport> {
     }
     times.sort_by(f64::total_cmp);
     requests.sort();
-    // Idle: nothing asked for one idle-connection timeout, then one look of each node's
-    // heap trimmer (`gpunode_node::heap`), and a margin.
+    // Idle: nothing asked for one idle-connection timeout, then one look of the
+    // process's heap trimmer (`gpunode_node::heap`), and a margin.
     let idle = gpunode_node::NodeConfig::default().idle_connection_timeout;
     tokio::time::sleep(idle + gpunode_node::heap::CHECK_EVERY + Duration::from_secs(5)).await;
     let idle_rss_per_node = (rss_bytes().saturating_sub(rss_before)) as f64 / n as f64;

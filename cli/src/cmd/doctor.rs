@@ -10,6 +10,7 @@ use std::process::ExitCode;
 
 use anyhow::Result;
 use gpunode_node::api::ApiClient;
+use gpunode_node::inbound::ip_of;
 use gpunode_node::views::{NodeStatus, OfferView};
 use gpunode_node::{DataDir, NodeConfig};
 use libp2p::multiaddr::Protocol;
@@ -68,7 +69,7 @@ impl Check {
 pub async fn doctor(
     data_dir: DataDir,
     config_path: Option<&Path>,
-    args: DoctorArgs,
+    args: &DoctorArgs,
 ) -> Result<ExitCode> {
     let mut checks = vec![check_data_dir(&data_dir)];
     let (config, config_check) = check_config(config_path);
@@ -332,14 +333,6 @@ async fn daemon_checks(api: &ApiClient, config: &NodeConfig) -> Vec<Check> {
         check_bootstrap(&status, config),
         check_clock(&offers, gpunode_protocol::time::now_ms()),
     ]
-}
-
-fn ip_of(addr: &Multiaddr) -> Option<IpAddr> {
-    addr.iter().find_map(|p| match p {
-        Protocol::Ip4(ip) => Some(IpAddr::V4(ip)),
-        Protocol::Ip6(ip) => Some(IpAddr::V6(ip)),
-        _ => None,
-    })
 }
 
 fn port_of(addr: &Multiaddr) -> Option<(&'static str, u16)> {

@@ -56,6 +56,13 @@ use libp2p::request_response::{OutboundRequestId, ResponseChannel};
 /// How long an offer query may take before it answers with what it has.
 const FIND_TIMEOUT: Duration = Duration::from_secs(8);
 
+/// The open connections to one peer: how many, and the address of the newest.
+#[derive(Debug)]
+struct Link {
+    count: usize,
+    address: Multiaddr,
+}
+
 pub(crate) struct EventLoop {
     swarm: Swarm<NodeBehaviour>,
     keypair: Keypair,
@@ -67,11 +74,9 @@ pub(crate) struct EventLoop {
     local_peer: PeerId,
     inventory: InventorySnapshot,
     own: Option<OwnAdvert>,
-    connections: HashMap<PeerId, usize>,
+    connections: HashMap<PeerId, Link>,
     /// This loop's share of the process's connection count (see [`crate::heap`]).
     connection_count: crate::heap::ConnectionCount,
-    /// Each connected peer's address on its newest connection.
-    links: HashMap<PeerId, Multiaddr>,
     /// Addresses gpunode peers report seeing this node at (identify), newest first.
     observed: std::collections::VecDeque<Multiaddr>,
     finds: HashMap<u64, PendingFind>,
@@ -145,7 +150,6 @@ impl EventLoop {
             own,
             connections: HashMap::new(),
             connection_count: crate::heap::ConnectionCount::default(),
-            links: HashMap::new(),
             observed: std::collections::VecDeque::new(),
             finds: HashMap::new(),
             next_find: 0,
@@ -362,9 +366,9 @@ impl EventLoop {
 
     fn connection_views(&self) -> Vec<crate::views::ConnectionView> {
         let mut views: Vec<_> = self
-            .links
+            .connections
             .iter()
-            .map(|(peer, addr)| {
+            .map(|(peer, Link { address: addr, .. })| {
                 let relayed = addr
                     .iter()
                     .any(|p| matches!(p, libp2p::multiaddr::Protocol::P2pCircuit));

@@ -13,7 +13,7 @@ use libp2p::swarm::dial_opts::DialOpts;
 use libp2p::swarm::SwarmEvent;
 use libp2p::{identify, mdns, Multiaddr, PeerId, Swarm};
 
-use super::EventLoop;
+use super::{EventLoop, Link};
 use crate::network::{NodeBehaviour, NodeBehaviourEvent};
 
 /// The most distinct observed addresses kept (a peer may report anything).
@@ -39,10 +39,15 @@ impl EventLoop {
             SwarmEvent::ConnectionEstablished {
                 peer_id, endpoint, ..
             } => {
-                *self.connections.entry(peer_id).or_default() += 1;
+                let address = endpoint.get_remote_address().clone();
+                self.connections
+                    .entry(peer_id)
+                    .and_modify(|l| {
+                        l.count += 1;
+                        l.address = address.clone();
+                    })
+                    .or_insert(Link { count: 1, address });
                 self.connection_count.opened();
-                self.links
-                    .insert(peer_id, endpoint.get_remote_address().clone());
                 self.metrics
                     .peers_connected
                     .set(self.connections.len() as i64);
@@ -58,10 +63,9 @@ impl EventLoop {
                 self.connection_count.closed();
                 if num_established == 0 {
                     self.connections.remove(&peer_id);
-                    self.links.remove(&peer_id);
                     self.rtts.remove(&peer_id);
-                } else {
-                    self.connections.insert(peer_id, num_established as usize);
+                } else if let Some(link) = self.connections.get_mut(&peer_id) {
+                    link.count = num_established as usize;
                 }
                 self.metrics
                     .peers_connected
