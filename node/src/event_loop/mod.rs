@@ -78,7 +78,7 @@ pub(crate) struct EventLoop {
     /// This loop's share of the process's connection count (see [`crate::heap`]).
     connection_count: crate::heap::ConnectionCount,
     /// Addresses gpunode peers report seeing this node at (identify), newest first.
-    observed: std::collections::VecDeque<Multiaddr>,
+    observed: swarm::ObservedAddrs,
     finds: HashMap<u64, PendingFind>,
     next_find: u64,
     provider_queries: HashMap<QueryId, u64>,
@@ -150,7 +150,7 @@ impl EventLoop {
             own,
             connections: HashMap::new(),
             connection_count: crate::heap::ConnectionCount::default(),
-            observed: std::collections::VecDeque::new(),
+            observed: swarm::ObservedAddrs::default(),
             finds: HashMap::new(),
             next_find: 0,
             provider_queries: HashMap::new(),
@@ -359,7 +359,7 @@ impl EventLoop {
                 .collect(),
             team: None,
             running_jobs: self.lease_jobs.views(),
-            observed_addrs: self.observed.iter().map(|a| a.to_string()).collect(),
+            observed_addrs: self.observed.to_strings(),
             connections: self.connection_views(),
         }
     }

@@ -19,14 +19,26 @@ use crate::network::{NodeBehaviour, NodeBehaviourEvent};
 /// The most distinct observed addresses kept (a peer may report anything).
 const MAX_OBSERVED_ADDRS: usize = 8;
 
-impl EventLoop {
-    /// Remembers an address a gpunode peer says it sees this node at, newest first.
-    fn note_observed(&mut self, addr: Multiaddr) {
-        self.observed.retain(|a| a != &addr);
-        self.observed.push_front(addr);
-        self.observed.truncate(MAX_OBSERVED_ADDRS);
+/// Addresses gpunode peers report seeing this node at (identify), newest first, distinct
+/// and at most [`MAX_OBSERVED_ADDRS`].
+#[derive(Debug, Default)]
+pub(super) struct ObservedAddrs(std::collections::VecDeque<Multiaddr>);
+
+impl ObservedAddrs {
+    /// Remembers `addr` as the newest.
+    fn note(&mut self, addr: Multiaddr) {
+        self.0.retain(|a| a != &addr);
+        self.0.push_front(addr);
+        self.0.truncate(MAX_OBSERVED_ADDRS);
     }
 
+    /// The addresses, newest first.
+    pub(super) fn to_strings(&self) -> Vec<String> {
+        self.0.iter().map(|a| a.to_string()).collect()
+    }
+}
+
+impl EventLoop {
     pub(super) fn on_swarm_event(&mut self, event: SwarmEvent<NodeBehaviourEvent>) {
         match event {
             SwarmEvent::NewListenAddr { address, .. } => {
@@ -82,7 +94,7 @@ impl EventLoop {
                 info,
                 ..
             })) if info.protocols.contains(&self.kad_protocol) => {
-                self.note_observed(info.observed_addr);
+                self.observed.note(info.observed_addr);
                 for addr in info.listen_addrs {
                     self.swarm.behaviour_mut().kad.add_address(&peer_id, addr);
                 }
@@ -237,5 +249,37 @@ pub(crate) fn dial_bootstrap(swarm: &mut Swarm<NodeBehaviour>, addrs: &[Multiadd
         if let Err(e) = swarm.dial(addr.clone()) {
             tracing::warn!("cannot dial bootstrap peer {addr}: {e}");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_flood_of_reported_addresses_keeps_the_newest_eight_once_each() {
+        let mut seen = ObservedAddrs::default();
+        let addr = |i: u32| -> Multiaddr {
+            format!("/ip4/203.0.113.{}/udp/{}/quic-v1", i % 250, 1000 + i)
+                .parse()
+                .unwrap()
+        };
+        for i in 0..10_000 {
+            seen.note(addr(i));
+        }
+        let kept = seen.to_strings();
+        assert_eq!(kept.len(), MAX_OBSERVED_ADDRS);
+        assert_eq!(kept[0], addr(9_999).to_string(), "newest first");
+        // Reported again: moved to the front, not kept twice.
+        seen.note(addr(9_995));
+        let kept = seen.to_strings();
+        assert_eq!(kept.len(), MAX_OBSERVED_ADDRS);
+        assert_eq!(kept[0], addr(9_995).to_string());
+        assert_eq!(
+            kept.iter()
+                .filter(|a| **a == addr(9_995).to_string())
+                .count(),
+            1
+        );
     }
 }
