@@ -3,6 +3,7 @@
 # - rustfmt and clippy (CI checks),
 # - the wasm32-wasip1 target (the example task under examples/checksum),
 # - iperf3 (the transfer benchmark compares against it),
+# - iptables (the NAT lab of the e2e test that punches holes between members),
 # - bubblewrap (the container backend and its tests; prlimit and setpriv come with
 #   util-linux),
 # - Node.js and the js-libp2p packages of the interop test (tests/interop).
@@ -31,6 +32,7 @@ apt_install() {
   fi
 }
 command -v bwrap >/dev/null 2>&1 || apt_install bubblewrap || { echo "bubblewrap is needed for the container backend and its tests" >&2; exit 1; }
+command -v iptables >/dev/null 2>&1 || apt_install iptables || { echo "iptables is needed for the NAT lab test (tests/tests/e2e/nat.rs)" >&2; exit 1; }
 command -v iperf3 >/dev/null 2>&1 || apt_install iperf3 || echo "iperf3 missing: the transfer benchmark will skip its comparison" >&2
 
 if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then

@@ -207,6 +207,10 @@ pub struct RunArgs {
     /// Most output files the provider may send back [default: 10000].
     #[arg(long, value_name = "N")]
     pub max_output_files: Option<u32>,
+    /// Send the job's inputs and outputs through a team relay when the provider cannot
+    /// be reached directly (hole punching failed) [config: allow_relayed_data].
+    #[arg(long)]
+    pub allow_relayed_data: bool,
     /// GPUs to lease.
     #[arg(long, default_value_t = 0)]
     pub gpus: u32,

@@ -164,6 +164,9 @@ pub fn print_status(out: &mut impl Write, s: &NodeStatus) -> io::Result<()> {
         };
         writeln!(out, "Seen by peers:  {seen}{note}")?;
     }
+    if !s.reachability.is_empty() {
+        writeln!(out, "Reachability:   {}", s.reachability)?;
+    }
     let a = &s.advert;
     if !a.enabled {
         writeln!(out, "Advert:         none (client node)")?;

@@ -162,6 +162,26 @@ pub struct NodeConfig {
     pub max_connections_per_ip: u32,
     /// Most inbound connections still in their handshake.
     pub max_pending_connections: u32,
+    /// In a team: relay for members even before AutoNAT confirms a public address (set
+    /// it on a box whose port is forwarded). Members with a confirmed public address
+    /// relay anyway; outsiders never get a reservation or a circuit.
+    pub relay: bool,
+    /// Longest one relayed connection lasts on this relay.
+    #[serde(deserialize_with = "de_duration")]
+    pub relay_circuit_duration: Duration,
+    /// Most bytes one relayed connection carries on this relay (each way), e.g. `1G`.
+    #[serde(deserialize_with = "de_bytes")]
+    pub relay_circuit_bytes: u64,
+    /// Most relayed connections through this node at once.
+    pub relay_max_circuits: u32,
+    /// Most members holding a reservation on this node at once.
+    pub relay_max_reservations: u32,
+    /// Send job inputs and outputs through a team relay when hole punching fails (off:
+    /// such providers are refused with the reason, and directly reached ones preferred).
+    pub allow_relayed_data: bool,
+    /// Ask the router to forward a port (UPnP). Off by default: opening the router is the
+    /// owner's choice; `gpunode doctor` suggests it when the node is behind NAT.
+    pub upnp: bool,
 }
 
 impl Default for NodeConfig {
@@ -217,6 +237,13 @@ impl Default for NodeConfig {
             max_connections_per_peer: 8,
             max_connections_per_ip: 64,
             max_pending_connections: 128,
+            relay: false,
+            relay_circuit_duration: Duration::from_secs(3600),
+            relay_circuit_bytes: 1 << 30,
+            relay_max_circuits: 16,
+            relay_max_reservations: 32,
+            allow_relayed_data: false,
+            upnp: false,
         }
     }
 }
@@ -372,10 +399,41 @@ impl NodeConfig {
                 )));
             }
         }
+        self.validate_relay()?;
         if let Some(addr) = self.metrics_addr {
             if !addr.ip().is_loopback() {
                 return Err(ConfigError::Invalid(format!(
                     "metrics_addr {addr} is not a loopback address; use 127.0.0.1:PORT"
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl NodeConfig {
+    /// The team relay's budget: circuits that last and carry job data, within bounds.
+    fn validate_relay(&self) -> Result<(), ConfigError> {
+        let d = self.relay_circuit_duration;
+        if d < Duration::from_secs(60) || d > Duration::from_secs(7 * 86_400) {
+            return Err(ConfigError::Invalid(format!(
+                "relay_circuit_duration must be between 1m and 7d, not {}s",
+                d.as_secs()
+            )));
+        }
+        if self.relay_circuit_bytes < 1 << 20 {
+            return Err(ConfigError::Invalid(
+                "relay_circuit_bytes must be at least 1M (a job's data goes through it)"
+                    .to_string(),
+            ));
+        }
+        for (name, v, max) in [
+            ("relay_max_circuits", self.relay_max_circuits, 1024),
+            ("relay_max_reservations", self.relay_max_reservations, 4096),
+        ] {
+            if v == 0 || v > max {
+                return Err(ConfigError::Invalid(format!(
+                    "{name} must be between 1 and {max}, not {v}"
                 )));
             }
         }

@@ -26,6 +26,8 @@ pub(crate) struct HandleParts {
     pub metrics: Arc<Metrics>,
     pub accounts: Arc<Accounts>,
     pub team: Option<Arc<team::service::Team>>,
+    /// Job data may go through a team relay when no direct connection is possible.
+    pub allow_relayed_data: bool,
 }
 
 /// A cloneable handle to a running node.
@@ -56,7 +58,8 @@ impl NodeHandle {
                 parts.control,
                 parts.executor,
                 parts.team.is_some(),
-            ),
+            )
+            .allow_relayed_data(parts.allow_relayed_data),
             negotiator,
             jobs: jobs::table::JobTable::default(),
             accounts: parts.accounts,

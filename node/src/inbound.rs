@@ -30,6 +30,16 @@ pub fn ip_of(addr: &Multiaddr) -> Option<IpAddr> {
     }
 }
 
+/// The address an inbound connection counts against: its IP, except through a relay,
+/// whose IP is the relay's, shared by every member it relays for (the relay limits its
+/// circuits itself).
+fn counted_ip(remote: &Multiaddr) -> Option<IpAddr> {
+    if remote.iter().any(|p| matches!(p, Protocol::P2pCircuit)) {
+        return None;
+    }
+    ip_of(remote)
+}
+
 /// Refuses inbound connections from an IP address that already has `max_per_ip`
 /// established; `0` means no limit.
 #[derive(Debug)]
@@ -57,7 +67,7 @@ impl IpLimit {
     }
 
     fn check(&self, remote: &Multiaddr) -> Result<(), ConnectionDenied> {
-        let Some(ip) = ip_of(remote) else {
+        let Some(ip) = counted_ip(remote) else {
             return Ok(());
         };
         let n = self.per_ip.get(&ip).copied().unwrap_or(0);
@@ -112,7 +122,7 @@ impl NetworkBehaviour for IpLimit {
         match event {
             // Counted only once every behaviour accepted the connection.
             FromSwarm::ConnectionEstablished(e) if e.endpoint.is_listener() => {
-                if let Some(ip) = ip_of(e.endpoint.get_remote_address()) {
+                if let Some(ip) = counted_ip(e.endpoint.get_remote_address()) {
                     *self.per_ip.entry(ip).or_default() += 1;
                     self.by_connection.insert(e.connection_id, ip);
                 }
@@ -166,5 +176,10 @@ mod tests {
         let other: Multiaddr = "/ip4/127.0.0.3/udp/4170/quic-v1".parse().expect("addr");
         assert!(full.check(&other).is_ok());
         assert!(IpLimit::new(0, None).check(&a).is_ok(), "0: no limit");
+        // Relayed connections carry the relay's address: not counted against it.
+        let relayed: Multiaddr = "/ip4/127.0.0.2/udp/4170/quic-v1/p2p/12D3KooWRBhwfeP2Y4TCx1SM6s9rUoHhR5STiGwxBhgFRcw3UERE/p2p-circuit"
+            .parse()
+            .expect("addr");
+        assert!(full.check(&relayed).is_ok());
     }
 }

@@ -24,6 +24,7 @@ pub mod lease;
 pub mod ledger;
 pub mod loop_client;
 pub mod metrics;
+pub mod nat;
 pub mod network;
 pub mod owner;
 mod poller;

@@ -67,6 +67,11 @@ pub(crate) enum Command {
         peer: PeerId,
         reply: oneshot::Sender<bool>,
     },
+    /// How data would travel to `peer` now (`None`: not connected).
+    PathTo {
+        peer: PeerId,
+        reply: oneshot::Sender<Option<crate::views::LinkPath>>,
+    },
     /// `peer` withdraws its request queued here under `ticket`.
     WithdrawQueued {
         peer: PeerId,
@@ -113,6 +118,11 @@ impl LoopClient {
     /// Whether this node has a connection to `peer` now.
     pub async fn is_connected(&self, peer: PeerId) -> Result<bool, NodeError> {
         self.ask(|reply| Command::IsConnected { peer, reply }).await
+    }
+
+    /// How data would travel to `peer` now (`None`: not connected).
+    pub async fn path_to(&self, peer: PeerId) -> Result<Option<crate::views::LinkPath>, NodeError> {
+        self.ask(|reply| Command::PathTo { peer, reply }).await
     }
 
     /// The price in `peer`'s newest verified advert this node holds.

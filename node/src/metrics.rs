@@ -60,6 +60,10 @@ pub struct Metrics {
     /// Size of each bounded structure fed by peers (`lease_records`, `spent_nonces`,
     /// `adverts`, `reputation_records`, `refused_receipts`), to watch against its bound.
     pub peer_state: Family<Vec<(String, String)>, Gauge>,
+    /// Hole punches over relayed connections, by result (`success`, `failure`).
+    pub hole_punches: Family<Vec<(String, String)>, Counter>,
+    /// Team relays holding a reservation for this node.
+    pub relay_reservations: Gauge,
 }
 
 impl Metrics {
@@ -191,8 +195,22 @@ impl Metrics {
             "Entries of each bounded structure fed by peers",
             peer_state.clone(),
         );
+        let hole_punches = Family::<Vec<(String, String)>, Counter>::default();
+        registry.register(
+            "hole_punches",
+            "Hole punches (DCUtR) over relayed connections, by result",
+            hole_punches.clone(),
+        );
+        let relay_reservations = Gauge::default();
+        registry.register(
+            "relay_reservations",
+            "Team relays holding a reservation for this node",
+            relay_reservations.clone(),
+        );
         let gpus = GpuGauges::register(&mut registry);
         Arc::new(Metrics {
+            hole_punches,
+            relay_reservations,
             peer_state,
             streams_refused,
             connections_refused,
@@ -217,6 +235,20 @@ impl Metrics {
             leases_active,
             leased_gpus,
         })
+    }
+
+    /// Counts a hole punch that ended with `result` (`success`, `failure`).
+    pub fn hole_punch(&self, result: &str) {
+        self.hole_punches
+            .get_or_create(&vec![("result".to_string(), result.to_string())])
+            .inc();
+    }
+
+    /// How many hole punches ended with `result`.
+    pub fn hole_punch_count(&self, result: &str) -> u64 {
+        self.hole_punches
+            .get_or_create(&vec![("result".to_string(), result.to_string())])
+            .get()
     }
 
     /// Counts a queue-turn notice under `result`.

@@ -3,10 +3,13 @@
 //! QUIC (quinn) first, TCP + noise + yamux as fallback; identify and ping so any
 //! standard libp2p peer can talk to us; Kademlia under gpunode's own protocol name (never
 //! the public IPFS DHT) with inbound records filtered through the advert book; mDNS on
-//! the LAN when enabled.
+//! the LAN when enabled. For members behind NAT: AutoNAT v2 (client and server), circuit
+//! relay v2 (a client on every node; a server for the team only, see [`RelaySettings`]),
+//! DCUtR hole punching, and UPnP port mapping when enabled.
 
 #![allow(missing_docs)] // the NetworkBehaviour derive generates an undocumented event enum
 
+use std::num::NonZeroU32;
 use std::time::Duration;
 
 use gpunode_protocol::advert::MAX_SIGNED_ADVERT_BYTES;
@@ -15,8 +18,8 @@ use libp2p::kad::store::{MemoryStore, MemoryStoreConfig};
 use libp2p::swarm::behaviour::toggle::Toggle;
 use libp2p::swarm::NetworkBehaviour;
 use libp2p::{
-    allow_block_list, identify, kad, mdns, noise, ping, request_response, tcp, yamux, PeerId,
-    StreamProtocol, Swarm,
+    allow_block_list, autonat, dcutr, identify, kad, mdns, noise, ping, relay, request_response,
+    tcp, upnp, yamux, PeerId, StreamProtocol, Swarm,
 };
 use std::collections::HashSet;
 
@@ -56,6 +59,46 @@ pub struct NodeBehaviour {
     pub advert: request_response::Behaviour<crate::adverts::fetch::AdvertCodec>,
     /// Raw streams (the job protocol), driven from outside the event loop.
     pub stream: libp2p_stream::Behaviour,
+    /// Reservations on and circuits through other members' relays.
+    pub relay_client: relay::client::Behaviour,
+    /// In a team: relaying for members (the allow-list keeps strangers out before this
+    /// sees them).
+    pub relay: Toggle<relay::Behaviour>,
+    /// Hole punching over a relayed connection.
+    pub dcutr: dcutr::Behaviour,
+    /// Asks peers to dial our candidate addresses back (is this node reachable?).
+    pub autonat: autonat::v2::client::Behaviour,
+    /// Dials other peers' candidate addresses back for them.
+    pub autonat_server: autonat::v2::server::Behaviour,
+    /// Port mapping on a UPnP router, when enabled.
+    pub upnp: Toggle<upnp::tokio::Behaviour>,
+}
+
+/// How a node relays for its team, and within which budget.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RelaySettings {
+    /// Relay even before AutoNAT confirms a public address (a port-forwarded box).
+    pub always: bool,
+    /// Longest one relayed connection lasts.
+    pub circuit_duration: Duration,
+    /// Most bytes one relayed connection carries (each way).
+    pub circuit_bytes: u64,
+    /// Most relayed connections at once.
+    pub max_circuits: u32,
+    /// Most members holding a reservation at once.
+    pub max_reservations: u32,
+}
+
+impl Default for RelaySettings {
+    fn default() -> Self {
+        RelaySettings {
+            always: false,
+            circuit_duration: Duration::from_secs(3600),
+            circuit_bytes: 1 << 30,
+            max_circuits: 16,
+            max_reservations: 32,
+        }
+    }
 }
 
 /// Settings the swarm is built from.
@@ -75,6 +118,10 @@ pub struct SwarmSettings {
     pub tcp_psk: Option<[u8; 32]>,
     /// Connection limits.
     pub limits: ConnectionCaps,
+    /// Relaying for the team (used only in a team).
+    pub relay: RelaySettings,
+    /// Map ports on a UPnP router.
+    pub upnp: bool,
 }
 
 /// How many connections a node holds open, so that no peer or host can exhaust it.
@@ -118,7 +165,9 @@ pub fn build_swarm(
             )
             .map_err(|e| err(&e))?
             .with_quic()
-            .with_behaviour(|key| behaviour(key, settings))
+            .with_relay_client(noise::Config::new, yamux::Config::default)
+            .map_err(|e| err(&e))?
+            .with_behaviour(|key, relay_client| behaviour(key, relay_client, settings))
             .map_err(|e| err(&e))?
             .with_swarm_config(|c| c.with_idle_connection_timeout(idle))
             .build(),
@@ -143,7 +192,9 @@ pub fn build_swarm(
                 )
             })
             .map_err(|e| err(&e))?
-            .with_behaviour(|key| behaviour(key, settings))
+            .with_relay_client(noise::Config::new, yamux::Config::default)
+            .map_err(|e| err(&e))?
+            .with_behaviour(|key, relay_client| behaviour(key, relay_client, settings))
             .map_err(|e| err(&e))?
             .with_swarm_config(|c| c.with_idle_connection_timeout(idle))
             .build(),
@@ -154,6 +205,7 @@ pub fn build_swarm(
 /// Every protocol of a node, configured.
 fn behaviour(
     key: &Keypair,
+    relay_client: relay::client::Behaviour,
     settings: &SwarmSettings,
 ) -> Result<NodeBehaviour, Box<dyn std::error::Error + Send + Sync>> {
     let peer_id = key.public().to_peer_id();
@@ -186,9 +238,12 @@ fn behaviour(
     } else {
         kad::Mode::Client
     }));
+    // Peers learn only the addresses the node chooses to advertise (see `crate::nat`),
+    // never every local interface.
     let identify = identify::Behaviour::new(
         identify::Config::new(IDENTIFY_PROTOCOL_VERSION.to_string(), key.public())
-            .with_agent_version(format!("gpunode/{}", env!("CARGO_PKG_VERSION"))),
+            .with_agent_version(format!("gpunode/{}", env!("CARGO_PKG_VERSION")))
+            .with_hide_listen_addrs(true),
     );
     let mdns = if settings.mdns {
         Some(mdns::tokio::Behaviour::new(
@@ -230,5 +285,44 @@ fn behaviour(
         lease,
         advert: crate::adverts::fetch::behaviour(),
         stream: libp2p_stream::Behaviour::new(),
+        relay_client,
+        relay: Toggle::from(
+            settings
+                .team
+                .as_ref()
+                .map(|_| team_relay(peer_id, &settings.relay)),
+        ),
+        dcutr: dcutr::Behaviour::new(peer_id),
+        autonat: autonat::v2::client::Behaviour::default(),
+        autonat_server: autonat::v2::server::Behaviour::default(),
+        upnp: Toggle::from(settings.upnp.then(upnp::tokio::Behaviour::default)),
     })
+}
+
+/// A relay for team members: limits sized for job data, not only for a hole punch
+/// (libp2p's defaults: 2 minutes and 128 KiB per circuit).
+fn team_relay(peer_id: PeerId, s: &RelaySettings) -> relay::Behaviour {
+    // Only members reach the relay (the allow-list drops everyone else), so the rate
+    // limits bound a buggy member, not strangers: libp2p's defaults (30 circuits, then
+    // one every 2 minutes) lock a member out for minutes after a burst of dials.
+    let per_second = |n: u32| NonZeroU32::new(n).unwrap_or(NonZeroU32::MIN);
+    let config = relay::Config {
+        max_reservations: s.max_reservations as usize,
+        max_reservations_per_peer: 2,
+        reservation_duration: Duration::from_secs(3600),
+        reservation_rate_limiters: Vec::new(),
+        max_circuits: s.max_circuits as usize,
+        max_circuits_per_peer: 4,
+        max_circuit_duration: s.circuit_duration,
+        max_circuit_bytes: s.circuit_bytes,
+        circuit_src_rate_limiters: Vec::new(),
+    }
+    .reservation_rate_per_peer(per_second(30), Duration::from_secs(2))
+    .circuit_src_per_peer(per_second(120), Duration::from_millis(500))
+    .circuit_src_per_ip(per_second(480), Duration::from_millis(125));
+    let mut relay = relay::Behaviour::new(peer_id, config);
+    if s.always {
+        relay.set_status(Some(relay::Status::Enable));
+    }
+    relay
 }

@@ -55,6 +55,7 @@ impl Node {
             metrics: metrics.clone(),
             accounts: state.accounts.clone(),
             team: team.clone(),
+            allow_relayed_data: config.allow_relayed_data,
         });
         let (stop_tasks, stop_rx) = watch::channel(false);
         let mut tasks = spawn_local_servers(&opts, &handle, &stop_rx).await?;
@@ -104,6 +105,7 @@ impl Node {
             accounts,
             ended_leases: ended_tx,
             team,
+            kad_server: opts.role == Role::Provider,
         });
         Ok(Node {
             handle,
@@ -243,6 +245,14 @@ fn build_swarm(
                 per_ip: config.max_connections_per_ip,
                 pending_incoming: config.max_pending_connections,
             },
+            relay: network::RelaySettings {
+                always: config.relay,
+                circuit_duration: config.relay_circuit_duration,
+                circuit_bytes: config.relay_circuit_bytes,
+                max_circuits: config.relay_max_circuits,
+                max_reservations: config.relay_max_reservations,
+            },
+            upnp: config.upnp,
         },
     )?;
     let listen = if opts.role == Role::Client {

@@ -121,6 +121,29 @@ pub struct NodeStatus {
     /// Each connected peer's link: its address, direct or relayed, and ping's RTT.
     #[serde(default)]
     pub connections: Vec<ConnectionView>,
+    /// How peers outside the LAN reach this node: public, behind NAT, or relayed via
+    /// team relays (see `crate::nat`).
+    #[serde(default)]
+    pub reachability: String,
+}
+
+/// How data travels to a connected peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LinkPath {
+    /// Over a connection of its own (possibly after a hole punch).
+    Direct,
+    /// Only through another peer's relay.
+    Relayed,
+}
+
+impl std::fmt::Display for LinkPath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            LinkPath::Direct => "direct",
+            LinkPath::Relayed => "relayed",
+        })
+    }
 }
 
 /// How this node is connected to one peer now.

@@ -420,23 +420,27 @@ pub(crate) fn check_reachability(status: &NodeStatus) -> Check {
         );
     }
     let (proto, port) = listen.iter().find_map(port_of).unwrap_or(("UDP", 4001));
+    let relayed = status.reachability.contains("relayed via");
+    let now = if relayed {
+        format!(
+            "; team members reach it through a relay ({}), and directly only where a hole punch succeeds (about 70% of NATs)",
+            status.reachability
+        )
+    } else {
+        ", and peers outside cannot dial it".to_string()
+    };
     Check::new(
         NAME,
         Verdict::Warn,
-        format!("peers see this node at {seen}, not at an address it listens on: it is behind NAT, and peers outside cannot dial it"),
+        format!("peers see this node at {seen}, not at an address it listens on: it is behind NAT{now}"),
     )
     .fix(format!(
-        "forward {proto} port {port} on the router to this machine, or listen on a fixed port first ({LISTEN_FIX}); until then it reaches out, and others cannot reach in"
+        "forward {proto} port {port} on the router to this machine (or set upnp = true in config.toml if the router offers UPnP), listening on a fixed port ({LISTEN_FIX}); in a team, a member with a public address relays for the others"
     ))
 }
 
 fn is_private(ip: IpAddr) -> bool {
-    match ip {
-        IpAddr::V4(v4) => v4.is_private() || v4.is_link_local(),
-        IpAddr::V6(v6) => {
-            (v6.segments()[0] & 0xfe00) == 0xfc00 || (v6.segments()[0] & 0xffc0) == 0xfe80
-        }
-    }
+    gpunode_node::nat::scope_of_ip(ip) == gpunode_node::nat::Scope::Private
 }
 
 fn check_bootstrap(status: &NodeStatus, config: &NodeConfig) -> Check {
@@ -721,6 +725,12 @@ mod tests {
             "{c:?}"
         );
         assert!(c.fix.unwrap().contains("UDP port 4001"));
+        let mut relayed = natted.clone();
+        relayed.reachability = "behind NAT, relayed via 12D3KooWRelay".into();
+        let c = check_reachability(&relayed);
+        assert_eq!(c.verdict, Verdict::Warn, "{c:?}");
+        assert!(c.detail.contains("relayed via 12D3KooWRelay"), "{c:?}");
+        assert!(c.fix.unwrap().contains("upnp = true"));
 
         let direct = status(
             &["/ip4/198.51.100.7/udp/4001/quic-v1"],

@@ -92,6 +92,7 @@ fn job_request(args: &RunArgs) -> Result<JobRequest> {
         reservation: args.reservation.clone(),
         max_output_bytes: parse_size_opt("max-output", args.max_output.as_deref())?,
         max_output_files: args.max_output_files,
+        allow_relayed_data: args.allow_relayed_data,
         wait: match (args.wait, args.no_wait) {
             (true, _) => Some(true),
             (_, true) => Some(false),

@@ -31,6 +31,7 @@ use tokio::time::Instant;
 
 mod finds;
 mod leases;
+mod nat;
 mod publish;
 mod swarm;
 
@@ -56,11 +57,28 @@ use libp2p::request_response::{OutboundRequestId, ResponseChannel};
 /// How long an offer query may take before it answers with what it has.
 const FIND_TIMEOUT: Duration = Duration::from_secs(8);
 
-/// The open connections to one peer: how many, and the address of the newest.
-#[derive(Debug)]
+/// The open connections to one peer, oldest first (at most the per-peer cap).
+#[derive(Debug, Default)]
 struct Link {
-    count: usize,
-    address: Multiaddr,
+    conns: Vec<(libp2p::swarm::ConnectionId, Multiaddr)>,
+}
+
+impl Link {
+    /// How data would travel to the peer now: direct once every connection is (a
+    /// relayed one left beside a direct one closes shortly, see `retire_relayed`).
+    fn path(&self) -> crate::views::LinkPath {
+        if self.conns.iter().all(|(_, a)| !is_relayed(a)) {
+            crate::views::LinkPath::Direct
+        } else {
+            crate::views::LinkPath::Relayed
+        }
+    }
+}
+
+/// Whether `addr` goes through a relay.
+fn is_relayed(addr: &Multiaddr) -> bool {
+    addr.iter()
+        .any(|p| matches!(p, libp2p::multiaddr::Protocol::P2pCircuit))
 }
 
 pub(crate) struct EventLoop {
@@ -106,6 +124,12 @@ pub(crate) struct EventLoop {
     team: Option<Arc<crate::team::service::Team>>,
     /// GPU alert thresholds and what they have seen.
     alerts: crate::alerts::AlertWatch,
+    /// What the node knows of its own reachability.
+    nat: crate::nat::NatState,
+    /// Team members that relay, and our reservations on them.
+    relays: nat::Relays,
+    /// Kademlia server mode as configured (a node behind NAT serves as a client).
+    kad_server: bool,
 }
 
 /// How the loop is set up.
@@ -131,6 +155,8 @@ pub(crate) struct LoopParts {
     pub team: Option<Arc<crate::team::service::Team>>,
     /// GPU alert thresholds and hook.
     pub alerts: crate::alerts::AlertRules,
+    /// Kademlia server mode as configured.
+    pub kad_server: bool,
 }
 
 impl EventLoop {
@@ -175,6 +201,9 @@ impl EventLoop {
                 .map_or(crate::network::KAD_PROTOCOL, |t| t.state().kad_protocol()),
             team: parts.team,
             alerts: crate::alerts::AlertWatch::new(parts.alerts),
+            nat: crate::nat::NatState::default(),
+            relays: nat::Relays::default(),
+            kad_server: parts.kad_server,
         }
     }
 
@@ -283,6 +312,9 @@ impl EventLoop {
             Command::IsConnected { peer, reply } => {
                 let _ = reply.send(self.connections.contains_key(&peer));
             }
+            Command::PathTo { peer, reply } => {
+                let _ = reply.send(self.connections.get(&peer).map(Link::path));
+            }
             Command::KnownPrice { peer, reply } => {
                 let price = self
                     .book
@@ -361,6 +393,7 @@ impl EventLoop {
             running_jobs: self.lease_jobs.views(),
             observed_addrs: self.observed.to_strings(),
             connections: self.connection_views(),
+            reachability: self.nat.reachability().to_string(),
         }
     }
 
@@ -368,14 +401,20 @@ impl EventLoop {
         let mut views: Vec<_> = self
             .connections
             .iter()
-            .map(|(peer, Link { address: addr, .. })| {
-                let relayed = addr
+            .map(|(peer, link)| {
+                let path = link.path();
+                // Show the connection data takes: the direct one when there is one.
+                let address = link
+                    .conns
                     .iter()
-                    .any(|p| matches!(p, libp2p::multiaddr::Protocol::P2pCircuit));
+                    .rev()
+                    .find(|(_, a)| is_relayed(a) == (path == crate::views::LinkPath::Relayed))
+                    .map(|(_, a)| a.to_string())
+                    .unwrap_or_default();
                 crate::views::ConnectionView {
                     peer_id: peer.to_string(),
-                    address: addr.to_string(),
-                    path: if relayed { "relayed" } else { "direct" }.to_string(),
+                    address,
+                    path: path.to_string(),
                     rtt_ms: self.rtts.get(peer).map(|d| d.as_secs_f64() * 1000.0),
                 }
             })
@@ -457,6 +496,8 @@ impl EventLoop {
         if self.parked_finds.deadline().is_some_and(|p| p <= now) {
             self.release_parked_finds();
         }
+        self.maintain_relays();
+        self.close_retired(now);
         let size = self.routing_table_size();
         self.metrics.routing_table_peers.set(size as i64);
         let m = &self.metrics;

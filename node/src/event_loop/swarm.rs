@@ -13,7 +13,8 @@ use libp2p::swarm::dial_opts::DialOpts;
 use libp2p::swarm::SwarmEvent;
 use libp2p::{identify, mdns, Multiaddr, PeerId, Swarm};
 
-use super::{EventLoop, Link};
+use super::EventLoop;
+
 use crate::network::{NodeBehaviour, NodeBehaviourEvent};
 
 /// The most distinct observed addresses kept (a peer may report anything).
@@ -44,21 +45,34 @@ impl EventLoop {
             SwarmEvent::NewListenAddr { address, .. } => {
                 tracing::info!("listening on {address}");
                 if !is_unspecified(&address) {
+                    self.nat.on_own_address(&address);
                     self.swarm.add_external_address(address);
+                    self.apply_address_policy();
                 }
                 self.schedule_publish(Duration::from_millis(50), true);
             }
+            SwarmEvent::ExternalAddrConfirmed { address } => {
+                tracing::info!("reachable at {address}");
+                self.nat.on_own_address(&address);
+                self.apply_address_policy();
+                self.schedule_publish(Duration::from_millis(50), true);
+            }
+            SwarmEvent::ExternalAddrExpired { .. } => {
+                self.schedule_publish(Duration::from_millis(50), true);
+            }
             SwarmEvent::ConnectionEstablished {
-                peer_id, endpoint, ..
+                peer_id,
+                endpoint,
+                connection_id,
+                ..
             } => {
                 let address = endpoint.get_remote_address().clone();
                 self.connections
                     .entry(peer_id)
-                    .and_modify(|l| {
-                        l.count += 1;
-                        l.address = address.clone();
-                    })
-                    .or_insert(Link { count: 1, address });
+                    .or_default()
+                    .conns
+                    .push((connection_id, address));
+                self.retire_relayed(&peer_id);
                 self.connection_count.opened();
                 self.metrics
                     .peers_connected
@@ -70,15 +84,19 @@ impl EventLoop {
             SwarmEvent::ConnectionClosed {
                 peer_id,
                 num_established,
+                connection_id,
                 ..
             } => {
                 self.connection_count.closed();
                 if num_established == 0 {
                     self.connections.remove(&peer_id);
                     self.rtts.remove(&peer_id);
+                    self.relays.forget(&peer_id);
+                    self.nat.on_relay_lost(&peer_id);
                 } else if let Some(link) = self.connections.get_mut(&peer_id) {
-                    link.count = num_established as usize;
+                    link.conns.retain(|(id, _)| *id != connection_id);
                 }
+                self.relays.forget_connection(connection_id);
                 self.metrics
                     .peers_connected
                     .set(self.connections.len() as i64);
@@ -94,9 +112,23 @@ impl EventLoop {
                 info,
                 ..
             })) if info.protocols.contains(&self.kad_protocol) => {
+                self.on_observed(&info.observed_addr);
                 self.observed.note(info.observed_addr);
+                if info.protocols.contains(&libp2p::relay::HOP_PROTOCOL_NAME) {
+                    self.note_relay(peer_id, &info.listen_addrs);
+                }
+                let link = self
+                    .connections
+                    .get(&peer_id)
+                    .and_then(|l| l.conns.last())
+                    .map(|(_, a)| a.clone());
                 for addr in info.listen_addrs {
-                    self.swarm.behaviour_mut().kad.add_address(&peer_id, addr);
+                    if link
+                        .as_ref()
+                        .is_none_or(|l| crate::nat::dialable_via(&addr, l))
+                    {
+                        self.swarm.behaviour_mut().kad.add_address(&peer_id, addr);
+                    }
                 }
             }
             SwarmEvent::Behaviour(NodeBehaviourEvent::Mdns(mdns::Event::Discovered(list))) => {
@@ -118,6 +150,19 @@ impl EventLoop {
             SwarmEvent::Behaviour(NodeBehaviourEvent::Kad(event)) => self.on_kad_event(event),
             SwarmEvent::Behaviour(NodeBehaviourEvent::Lease(event)) => self.on_lease_event(event),
             SwarmEvent::Behaviour(NodeBehaviourEvent::Advert(event)) => self.on_advert_event(event),
+            SwarmEvent::Behaviour(NodeBehaviourEvent::RelayClient(event)) => {
+                self.on_relay_client_event(event)
+            }
+            SwarmEvent::Behaviour(NodeBehaviourEvent::Dcutr(event)) => self.on_punch(event),
+            SwarmEvent::Behaviour(NodeBehaviourEvent::Autonat(event)) => {
+                self.on_autonat_event(event)
+            }
+            SwarmEvent::Behaviour(NodeBehaviourEvent::Upnp(event)) => self.on_upnp_event(event),
+            SwarmEvent::ListenerClosed {
+                listener_id,
+                reason,
+                ..
+            } => self.on_listener_closed(listener_id, reason),
             _ => {}
         }
     }

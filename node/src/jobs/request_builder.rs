@@ -33,7 +33,14 @@ impl JobRequest {
             reservation: None,
             max_output_bytes: None,
             max_output_files: None,
+            allow_relayed_data: false,
         }
+    }
+
+    /// Lets the job's data go through a team relay when no direct connection works.
+    pub fn allow_relayed_data(mut self, allowed: bool) -> JobRequest {
+        self.allow_relayed_data = allowed;
+        self
     }
 
     /// Runs this native command in a container instead of the module.

@@ -368,6 +368,7 @@ mod tests {
             reservation: None,
             max_output_bytes: None,
             max_output_files: None,
+            allow_relayed_data: false,
             cpus: 1,
             mem_bytes: 0,
             timeout_ms: 1000,

@@ -50,6 +50,8 @@ fn swarm() -> Swarm<NodeBehaviour> {
         team: None,
         tcp_psk: None,
         limits: ConnectionCaps::default(),
+        relay: Default::default(),
+        upnp: false,
     };
     build_swarm(libp2p::identity::Keypair::generate_ed25519(), &settings).expect("swarm")
 }

@@ -72,6 +72,8 @@ fn dial_inviter(
             team: Some((token.team, [token.inviter].into_iter().collect())),
             tcp_psk: None,
             limits: Default::default(),
+            relay: Default::default(),
+            upnp: false,
         },
     )
     .map_err(|e| TeamOpError::Invalid(e.to_string()))?;

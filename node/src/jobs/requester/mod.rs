@@ -29,6 +29,8 @@ pub use types::*;
 
 /// How long after the task's timeout the lease runs, for transfers on both ends.
 const LEASE_MARGIN_MS: u64 = 120_000;
+/// How long a provider reached only through a relay gets for a hole punch.
+const PUNCH_WAIT: Duration = Duration::from_secs(10);
 /// How long opening the job stream may take.
 const OPEN_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long past its lease's end an attempt may still take before it is given up.
@@ -68,6 +70,9 @@ pub struct Requester {
     in_team: bool,
     /// Jobs waiting in providers' queues, woken when a provider says their turn came.
     turns: Arc<Turns>,
+    /// Job data may go through a team relay (config `allow_relayed_data`; a job's own
+    /// `allow_relayed_data` also allows it).
+    relayed_data: bool,
 }
 
 impl std::fmt::Debug for Requester {
@@ -94,7 +99,14 @@ impl Requester {
             executor,
             in_team,
             turns: Arc::default(),
+            relayed_data: false,
         }
+    }
+
+    /// Lets job data go through a team relay when hole punching fails.
+    pub fn allow_relayed_data(mut self, allowed: bool) -> Requester {
+        self.relayed_data = allowed;
+        self
     }
 
     /// The jobs waiting in providers' queues (the queue-turn handler wakes them).
@@ -137,6 +149,7 @@ impl Requester {
         mut exclude: Vec<String>,
     ) -> Result<JobSummary, JobError> {
         let mut attempt = 0;
+        let mut last_failure = String::new();
         let wait = req.wait.unwrap_or(self.in_team);
         // One ticket for the whole job, so providers keep its place in their queues.
         let ticket: u128 = rand::random();
@@ -169,7 +182,7 @@ impl Requester {
                 Err(e) if attempt == 1 => return Err(e.into()),
                 Err(e) => {
                     return Err(JobError::Failed(format!(
-                        "{} provider(s) failed and no other is available: {e}",
+                        "{} provider(s) failed and no other is available: {e}; the last failed because {last_failure}",
                         attempt - 1
                     )))
                 }
@@ -183,11 +196,12 @@ impl Requester {
                     return Ok(self.summary(req, &lease, report, started, attempt).await)
                 }
                 Attempt::Fatal(why) => return Err(JobError::Failed(why)),
-                Attempt::Retry(why)
+                Attempt::Retry(why) | Attempt::OnlyRelayed(why)
                     if attempt <= req.retries
                         && req.peer.is_none()
                         && req.reservation.is_none() =>
                 {
+                    last_failure.clone_from(&why);
                     events(JobEvent::Retrying {
                         provider: lease.provider.clone(),
                         reason: why,
@@ -195,7 +209,7 @@ impl Requester {
                     });
                     exclude.push(lease.provider.clone());
                 }
-                Attempt::Retry(why) => {
+                Attempt::Retry(why) | Attempt::OnlyRelayed(why) => {
                     return Err(JobError::Failed(format!(
                         "provider {} failed: {why}",
                         lease.provider
@@ -381,6 +395,8 @@ impl Requester {
             Attempt::Retry(why) if why == PREEMPTED => ("preempted".into(), None, None),
             Attempt::Retry(_) => ("failed".into(), None, Some(Outcome::Failed)),
             Attempt::Fatal(_) => ("failed".into(), None, None),
+            // Our NAT or our rule: no fault of the provider.
+            Attempt::OnlyRelayed(_) => ("not_direct".into(), None, None),
         };
         if let Some(id) = lease {
             accounts.observed.add_job(id, ms, status, digest);

@@ -27,9 +27,38 @@ pub(super) enum Attempt {
     Retry(String),
     /// No provider can do this (the module or request is bad).
     Fatal(String),
+    /// The provider is reachable only through a relay and job data may not go that
+    /// way: another may do, and the provider is not at fault.
+    OnlyRelayed(String),
 }
 
 impl Requester {
+    /// Job data goes over a direct connection: a provider reached only through a relay
+    /// gets [`PUNCH_WAIT`] for a hole punch to succeed, and is then refused with the fix,
+    /// unless relayed data is allowed.
+    async fn direct_or_allowed(&self, provider: PeerId, req: &JobRequest) -> Result<(), String> {
+        if self.relayed_data || req.allow_relayed_data {
+            return Ok(());
+        }
+        let deadline = tokio::time::Instant::now() + PUNCH_WAIT;
+        loop {
+            match self.negotiator.loop_client().path_to(provider).await {
+                Ok(Some(crate::views::LinkPath::Relayed)) => {}
+                // Direct, or not connected (the stream dials whatever works).
+                _ => return Ok(()),
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return Err(format!(
+                    "provider {provider} is reachable only through a team relay (hole punching failed, \
+                     e.g. behind a symmetric NAT), and job data does not go through relays unless allowed: \
+                     rerun with --allow-relayed-data (or set allow_relayed_data = true in the config), \
+                     or forward the provider's port (gpunode doctor on it names the port)"
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
     pub(super) async fn attempt(
         &self,
         req: &JobRequest,
@@ -44,6 +73,9 @@ impl Requester {
         ) else {
             return Attempt::Fatal("the lease names an invalid provider or id".into());
         };
+        if let Err(why) = self.direct_or_allowed(provider, req).await {
+            return Attempt::OnlyRelayed(why);
+        }
         let mut control = self.control.clone();
         let stream =
             match tokio::time::timeout(OPEN_TIMEOUT, control.open_stream(provider, JOB_PROTOCOL))

@@ -92,6 +92,10 @@ pub struct JobRequest {
     /// [`outputs::DEFAULT_MAX_OUTPUT_FILES`]).
     #[serde(default)]
     pub max_output_files: Option<u32>,
+    /// Send this job's data through a team relay when the provider cannot be reached
+    /// directly (hole punching failed); otherwise such a provider is refused.
+    #[serde(default)]
+    pub allow_relayed_data: bool,
 }
 
 impl JobRequest {

@@ -101,7 +101,7 @@ impl Negotiator {
             max_price.is_none_or(|m| (o.price_per_gpu_hour * 1000.0).round() as u64 <= m)
         });
         order_offers(&mut offers, &filter, spec.gpus);
-        Ok(offers
+        let mut candidates: Vec<Candidate> = offers
             .iter()
             .filter_map(|o| {
                 let peer = o.peer_id.parse().ok()?;
@@ -111,7 +111,17 @@ impl Negotiator {
                     advertised: Some((o.price_per_gpu_hour * 1000.0).round() as u64),
                 })
             })
-            .collect())
+            .collect();
+        // Providers dialled directly first: one behind NAT, advertising only relayed
+        // addresses, needs a hole punch before job data may flow (stable: the order
+        // above holds within each group).
+        candidates.sort_by_key(|c| {
+            !c.addrs.is_empty()
+                && c.addrs
+                    .iter()
+                    .all(|a| crate::nat::scope_of(a) == Some(crate::nat::Scope::Relayed))
+        });
+        Ok(candidates)
     }
 }
 

@@ -91,6 +91,11 @@ pub struct Negotiator {
 }
 
 impl Negotiator {
+    /// The event loop this negotiator reaches.
+    pub(crate) fn loop_client(&self) -> &LoopClient {
+        &self.client
+    }
+
     /// A negotiator for the node with `keypair`, reaching its loop through `client`.
     pub fn new(client: LoopClient, keypair: Keypair) -> Negotiator {
         Negotiator {
