@@ -113,6 +113,9 @@ impl ServeProcess {
         signal: i32,
         timeout: Duration,
     ) -> Result<Option<std::process::ExitStatus>> {
+        if let Some(status) = self.child.try_wait()? {
+            return Ok(Some(status));
+        }
         let _ = Command::new("kill")
             .arg(format!("-{signal}"))
             .arg(self.child.id().to_string())

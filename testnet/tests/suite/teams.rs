@@ -43,6 +43,31 @@ async fn connected(h: &NodeHandle) -> Vec<PeerId> {
         .unwrap_or_default()
 }
 
+/// A fresh identity invited by `inviter` (one use) and joined through `boot`: its data
+/// dir, key, saved team state, and the used-up token.
+async fn invited_joiner(
+    inviter: &NodeHandle,
+    boot: Vec<String>,
+) -> (
+    tempfile::TempDir,
+    libp2p::identity::Keypair,
+    TeamState,
+    gpunode_protocol::team::InviteToken,
+) {
+    let token = inviter
+        .team_invite(Role::Member, 1, now_ms() + 3_600_000, boot)
+        .await
+        .expect("invite");
+    let dir = tempfile::tempdir().expect("dir");
+    let key = DataDir::new(dir.path())
+        .load_or_create_identity()
+        .expect("identity");
+    let joined = gpunode_node::team::join::join(dir.path(), &key, &token)
+        .await
+        .expect("join");
+    (dir, key, joined, token)
+}
+
 async fn eventually(what: &str, bound: Duration, mut check: impl AsyncFnMut() -> bool) {
     let deadline = tokio::time::Instant::now() + bound;
     while !check().await {
@@ -232,18 +257,7 @@ async fn outsiders_see_and_use_nothing_members_everything_and_revocation_bites()
     }
 
     // A joiner with an invite gets in; the invite is then used up.
-    let token = members[0]
-        .handle
-        .team_invite(Role::Member, 1, now_ms() + 3_600_000, boot.clone())
-        .await
-        .expect("invite");
-    let joiner_dir = tempfile::tempdir().expect("dir");
-    let joiner_key = DataDir::new(joiner_dir.path())
-        .load_or_create_identity()
-        .expect("identity");
-    let joined = gpunode_node::team::join::join(joiner_dir.path(), &joiner_key, &token)
-        .await
-        .expect("join");
+    let (joiner_dir, _, joined, token) = invited_joiner(&members[0].handle, boot.clone()).await;
     assert_eq!(joined.own.cert.role, Role::Member);
     let other_dir = tempfile::tempdir().expect("dir");
     let other_key = DataDir::new(other_dir.path())
@@ -433,6 +447,122 @@ async fn higher_priority_work_preempts_only_where_the_policy_allows() {
         .expect("the member's lease");
     assert_eq!(old.state, gpunode_node::lease::LeaseState::Cancelled);
     assert_eq!(members[2].handle.metrics().leases_preempted.get(), 1);
+    for mut n in members {
+        n.shutdown().await;
+    }
+}
+
+/// Drives `swarm` until `done` accepts an event or `bound` passes; returns what was seen.
+async fn drive_until(
+    swarm: &mut libp2p::Swarm<gpunode_node::network::NodeBehaviour>,
+    bound: Duration,
+    mut done: impl FnMut(&libp2p::swarm::SwarmEvent<gpunode_node::network::NodeBehaviourEvent>) -> bool,
+) -> bool {
+    use futures::StreamExt;
+    let deadline = tokio::time::Instant::now() + bound;
+    loop {
+        match tokio::time::timeout_at(deadline, swarm.select_next_some()).await {
+            Ok(event) if done(&event) => return true,
+            Ok(_) => {}
+            Err(_) => return false,
+        }
+    }
+}
+
+/// A raw libp2p swarm built the way nodes build theirs, for `key`, in `team` if given.
+fn raw_swarm(
+    key: libp2p::identity::Keypair,
+    team: Option<(
+        gpunode_protocol::team::TeamId,
+        std::collections::HashSet<PeerId>,
+    )>,
+) -> libp2p::Swarm<gpunode_node::network::NodeBehaviour> {
+    gpunode_node::network::build_swarm(
+        key,
+        &gpunode_node::network::SwarmSettings {
+            mdns: false,
+            idle_connection_timeout: Duration::from_secs(30),
+            provider_record_ttl: Duration::from_secs(60),
+            server: false,
+            team,
+            tcp_psk: None,
+            limits: Default::default(),
+            relay: Default::default(),
+            upnp: false,
+        },
+    )
+    .expect("swarm")
+}
+
+/// Whether `swarm` gets a reservation on the relay at `circuit` within 15 s.
+async fn reserves(
+    swarm: &mut libp2p::Swarm<gpunode_node::network::NodeBehaviour>,
+    circuit: libp2p::Multiaddr,
+) -> bool {
+    use gpunode_node::network::NodeBehaviourEvent;
+    use libp2p::swarm::SwarmEvent;
+    let listener = swarm.listen_on(circuit).expect("listen on the circuit");
+    let mut accepted = false;
+    drive_until(swarm, Duration::from_secs(15), |e| match e {
+        SwarmEvent::Behaviour(NodeBehaviourEvent::RelayClient(
+            libp2p::relay::client::Event::ReservationReqAccepted { .. },
+        )) => {
+            accepted = true;
+            true
+        }
+        SwarmEvent::ListenerClosed { listener_id, .. } => *listener_id == listener,
+        _ => false,
+    })
+    .await;
+    accepted
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_team_relay_reserves_for_members_and_refuses_outsiders() {
+    use libp2p::multiaddr::Protocol;
+    let mut cfg = TestNetConfig::new(vec![]);
+    cfg.tweak = Some(|_, c| c.relay = true);
+    let (members, ids) = team_of(&cfg, 2, &None).await;
+    eventually("the members connect", LONG, async || {
+        connected(&members[1].handle).await.contains(&ids[0])
+    })
+    .await;
+    let relay_addr: libp2p::Multiaddr = members[0].addr.parse().expect("addr");
+    let circuit = relay_addr.clone().with(Protocol::P2pCircuit);
+
+    // An outsider with a valid identity: no reservation, no circuit to a member.
+    let mut outsider = raw_swarm(libp2p::identity::Keypair::generate_ed25519(), None);
+    assert!(
+        !reserves(&mut outsider, circuit.clone()).await,
+        "an outsider got a reservation on a team relay"
+    );
+    let through = circuit.clone().with(Protocol::P2p(ids[1]));
+    outsider.dial(through).expect("dial starts");
+    let mut reached = false;
+    drive_until(&mut outsider, Duration::from_secs(15), |e| match e {
+        libp2p::swarm::SwarmEvent::ConnectionEstablished { peer_id, .. } if *peer_id == ids[1] => {
+            reached = true;
+            true
+        }
+        libp2p::swarm::SwarmEvent::OutgoingConnectionError { .. } => true,
+        _ => false,
+    })
+    .await;
+    assert!(
+        !reached,
+        "an outsider reached a member through the team relay"
+    );
+
+    // The same steps from a member (joined with an invite) get a reservation.
+    let (_joiner_dir, joiner_key, joined, _) =
+        invited_joiner(&members[0].handle, vec![members[0].addr.clone()]).await;
+    let mut allowed: std::collections::HashSet<PeerId> = ids.iter().copied().collect();
+    allowed.insert(joiner_key.public().to_peer_id());
+    let mut member = raw_swarm(joiner_key, Some((joined.team, allowed)));
+    assert!(
+        reserves(&mut member, circuit).await,
+        "a member got no reservation on the team relay"
+    );
     for mut n in members {
         n.shutdown().await;
     }

@@ -11,6 +11,7 @@ mod interop;
 mod lease;
 mod ledger;
 mod mdns;
+mod nat;
 mod packaging;
 mod run;
 mod serve;
