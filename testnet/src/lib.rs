@@ -9,6 +9,7 @@ pub mod bench;
 pub mod bench_container;
 pub mod bench_hostile;
 pub mod bench_jobs;
+pub mod bench_nat;
 pub mod bench_quinn;
 mod fixture;
 pub mod jobs;
@@ -16,7 +17,7 @@ pub mod ledger;
 pub mod trace_network;
 pub mod trace_replay;
 
-pub use gpunode_procs::{images, process};
+pub use gpunode_procs::{images, netlab, process};
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -112,6 +112,19 @@ enum Bench {
         #[arg(long, default_value_t = 50)]
         runs: usize,
     },
+    /// Members behind NAT in a lab of network namespaces (root): time to the first job
+    /// between two of them, hole-punch success per NAT type, direct vs relayed transfer.
+    Nat {
+        /// Punch attempts per NAT type.
+        #[arg(long, default_value_t = 50)]
+        attempts: usize,
+        /// Job input size for the transfer rates, e.g. 64M.
+        #[arg(long, default_value = "64M")]
+        size: String,
+        /// Timed transfers each way.
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+    },
     /// Throughput of a job input between two nodes over QUIC and TCP, next to iperf3.
     Transfer {
         /// Input size, e.g. 1G.
@@ -335,6 +348,20 @@ fn bench(which: Bench) -> Result<()> {
             Ok(())
         }
         Bench::Transfer { size, runs } => transfer(&size, runs),
+        Bench::Nat {
+            attempts,
+            size,
+            runs,
+        } => {
+            let bytes = gpunode_protocol::units::parse_bytes(&size)
+                .map_err(|e| anyhow::anyhow!("invalid --size: {e}"))?;
+            print(&testnet::bench_nat::nat(
+                &gpunode_binary()?,
+                attempts,
+                bytes,
+                runs,
+            )?)
+        }
         Bench::Ledger {
             receipts,
             verify_entries,
