@@ -179,9 +179,10 @@ pub struct NodeConfig {
     /// Send job inputs and outputs through a team relay when hole punching fails (off:
     /// such providers are refused with the reason, and directly reached ones preferred).
     pub allow_relayed_data: bool,
-    /// Ask the router to forward a port (UPnP). Off by default: opening the router is the
-    /// owner's choice; `gpunode doctor` suggests it when the node is behind NAT.
-    pub upnp: bool,
+    /// Ask the router to forward the listening port (UPnP IGD) where it offers that. On by
+    /// default, except in a team that asks for TCP only and a pre-shared key (it wants
+    /// to stay invisible); set it to say either way.
+    pub upnp: Option<bool>,
 }
 
 impl Default for NodeConfig {
@@ -243,7 +244,7 @@ impl Default for NodeConfig {
             relay_max_circuits: 16,
             relay_max_reservations: 32,
             allow_relayed_data: false,
-            upnp: false,
+            upnp: None,
         }
     }
 }
@@ -412,6 +413,22 @@ impl NodeConfig {
 }
 
 impl NodeConfig {
+    /// Whether to ask the router for a port mapping: as set, else on unless the team
+    /// listens on TCP only behind a pre-shared key.
+    pub fn upnp_wanted(&self) -> bool {
+        self.upnp.unwrap_or_else(|| {
+            let tcp_only = self.listen.iter().all(|a| {
+                !a.iter().any(|p| {
+                    matches!(
+                        p,
+                        libp2p::multiaddr::Protocol::QuicV1 | libp2p::multiaddr::Protocol::Udp(_)
+                    )
+                })
+            });
+            !(self.team_psk.is_some() && tcp_only)
+        })
+    }
+
     /// The team relay's budget: circuits that last and carry job data, within bounds.
     fn validate_relay(&self) -> Result<(), ConfigError> {
         let d = self.relay_circuit_duration;
@@ -537,6 +554,26 @@ mod tests {
         let config = NodeConfig::parse(text).expect("example.config.toml must parse");
         assert_eq!(config.advert_ttl, Duration::from_secs(600));
         assert!(config.mdns);
+        assert_eq!(config.relay_circuit_bytes, 1 << 30);
+        assert_eq!(config.relay_circuit_duration, Duration::from_secs(3600));
+    }
+
+    #[test]
+    fn upnp_is_on_unless_a_psk_team_listens_on_tcp_only() {
+        assert!(NodeConfig::default().upnp_wanted());
+        let psk = format!("team_psk = \"{}\"\n", "ab".repeat(32));
+        let tcp_only = "listen = [\"/ip4/0.0.0.0/tcp/4170\"]\n";
+        let hidden = NodeConfig::parse(&format!("{psk}{tcp_only}")).expect("parse");
+        assert!(!hidden.upnp_wanted());
+        // A PSK with QUIC still listening, or TCP only without a PSK: the default holds.
+        assert!(NodeConfig::parse(&psk).expect("parse").upnp_wanted());
+        assert!(NodeConfig::parse(tcp_only).expect("parse").upnp_wanted());
+        // Set, it is obeyed either way.
+        let forced = NodeConfig::parse(&format!("{psk}{tcp_only}upnp = true\n")).expect("parse");
+        assert!(forced.upnp_wanted());
+        assert!(!NodeConfig::parse("upnp = false\n")
+            .expect("parse")
+            .upnp_wanted());
     }
 
     #[test]

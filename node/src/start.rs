@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use libp2p::{PeerId, Swarm};
+use libp2p::{Multiaddr, PeerId, Swarm};
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
@@ -230,6 +230,14 @@ fn build_swarm(
     team: Option<&Arc<Team>>,
 ) -> Result<Swarm<NodeBehaviour>, NodeError> {
     let config = &opts.config;
+    let listen: Vec<Multiaddr> = if opts.role == Role::Client {
+        vec![
+            "/ip4/0.0.0.0/udp/0/quic-v1".parse().expect("valid"),
+            "/ip4/0.0.0.0/tcp/0".parse().expect("valid"),
+        ]
+    } else {
+        config.listen.clone()
+    };
     let mut swarm = network::build_swarm(
         state.keypair.clone(),
         &network::SwarmSettings {
@@ -252,17 +260,11 @@ fn build_swarm(
                 max_circuits: config.relay_max_circuits,
                 max_reservations: config.relay_max_reservations,
             },
-            upnp: config.upnp,
+            upnp: opts.role != Role::Client
+                && config.upnp_wanted()
+                && listens_beyond_loopback(&listen),
         },
     )?;
-    let listen = if opts.role == Role::Client {
-        vec![
-            "/ip4/0.0.0.0/udp/0/quic-v1".parse().expect("valid"),
-            "/ip4/0.0.0.0/tcp/0".parse().expect("valid"),
-        ]
-    } else {
-        config.listen.clone()
-    };
     for addr in &listen {
         swarm
             .listen_on(addr.clone())
@@ -272,6 +274,18 @@ fn build_swarm(
             })?;
     }
     Ok(swarm)
+}
+
+/// Whether any address in `listen` can be reached from another machine (a router's
+/// port mapping is pointless, and its search not sent, when none can).
+fn listens_beyond_loopback(listen: &[Multiaddr]) -> bool {
+    listen.iter().any(|a| {
+        a.iter().any(|p| match p {
+            libp2p::multiaddr::Protocol::Ip4(ip) => !ip.is_loopback(),
+            libp2p::multiaddr::Protocol::Ip6(ip) => !ip.is_loopback(),
+            _ => false,
+        })
+    })
 }
 
 fn listen_error_reason(e: &libp2p::TransportError<std::io::Error>) -> String {

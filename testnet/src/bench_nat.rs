@@ -128,9 +128,26 @@ pub fn nat(binary: &Path, attempts: usize, transfer_bytes: u64, runs: usize) -> 
 }
 
 /// Restarts `name` on a new port, runs a job on `provider` through the relay, and
-/// waits for the punch that follows to end: whether it gave a direct connection.
+/// waits for the punch that follows to end, as either side logs it: whether it gave a
+/// direct connection.
 fn punch(team: &mut TeamLab, name: &str, provider: &str, hello: &str, out: &str) -> Result<bool> {
+    let punches_with = |log: &str, peer: &str| -> Vec<bool> {
+        log.lines()
+            .filter(|l| l.contains("hole punch") && l.contains(peer))
+            .map(|l| l.contains("succeeded"))
+            .collect()
+    };
+    let provider_log = |team: &TeamLab| {
+        team.members
+            .iter()
+            .find(|(_, m)| m.peer_id == provider)
+            .map(|(_, m)| m.log())
+            .unwrap_or_default()
+    };
     team.start_member(name, 0, &[])?;
+    // Counted right after the start: a punch needs the relayed connection the run makes.
+    let me = team.member(name).context("serving")?.peer_id.clone();
+    let before = punches_with(&provider_log(team), &me).len();
     let args = [
         "run",
         "--quiet",
@@ -142,21 +159,28 @@ fn punch(team: &mut TeamLab, name: &str, provider: &str, hello: &str, out: &str)
         out,
     ];
     run_until_done(team, name, &args, Duration::from_secs(60))?;
-    let log = team.member(name).context("serving")?;
-    let deadline = Instant::now() + Duration::from_secs(60);
+    let deadline = Instant::now() + PUNCH_BOUND;
     loop {
-        let text = log.log();
-        let line = text
-            .lines()
-            .find(|l| l.contains("hole punch") && l.contains(provider));
-        match line {
-            Some(l) if l.contains("succeeded") => return Ok(true),
-            Some(_) => return Ok(false),
-            None if Instant::now() > deadline => bail!("no punch ended within 60s"),
-            None => std::thread::sleep(Duration::from_millis(100)),
+        let mine = team.member(name).context("serving")?.log();
+        if let Some(&ok) = punches_with(&mine, provider).first() {
+            return Ok(ok);
         }
+        if let Some(&ok) = punches_with(&provider_log(team), &me).get(before) {
+            return Ok(ok);
+        }
+        if Instant::now() > deadline {
+            let tail: Vec<&str> = mine.lines().rev().take(40).collect();
+            bail!(
+                "no punch with {provider} ended within {PUNCH_BOUND:?}; {name}'s log ends:\n{}",
+                tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+            )
+        }
+        std::thread::sleep(Duration::from_millis(100));
     }
 }
+
+/// How long one punch may take to end either way (libp2p tries three times).
+const PUNCH_BOUND: Duration = Duration::from_secs(180);
 
 /// Repeats `gpunode <args>` on member `name` until it succeeds, for at most `bound`.
 fn run_until_done(team: &TeamLab, name: &str, args: &[&str], bound: Duration) -> Result<()> {

@@ -115,6 +115,20 @@ fn members_behind_nat_punch_through_and_relay_only_when_allowed() {
     );
     let link = link_to("c", &a).expect("c is connected to a");
     assert_eq!(link["path"], "relayed", "{link}");
+    // `gpunode why` on the refused job gives the same reason.
+    let jobs: Value = serde_json::from_str(&ok(&team.cli("c", &["jobs", "--json"]).expect("jobs")))
+        .expect("jobs json");
+    let failed = jobs
+        .as_array()
+        .and_then(|js| js.iter().find(|j| j["state"] == "failed"))
+        .and_then(|j| j["job_id"].as_str())
+        .unwrap_or_else(|| panic!("c has no failed job: {jobs}"))
+        .to_string();
+    let explained = ok(&team.cli("c", &["why", &failed]).expect("why"));
+    assert!(
+        explained.contains("could not run") && explained.contains("--allow-relayed-data"),
+        "{explained}"
+    );
     // Allowed, the same job runs through the relay.
     let ran = team
         .cli(
