@@ -184,11 +184,19 @@ const PUNCH_BOUND: Duration = Duration::from_secs(180);
 
 /// Repeats `gpunode <args>` on member `name` until it succeeds, for at most `bound`.
 fn run_until_done(team: &TeamLab, name: &str, args: &[&str], bound: Duration) -> Result<()> {
-    let deadline = Instant::now() + bound;
+    let started = Instant::now();
+    let deadline = started + bound;
+    let mut last = String::new();
     loop {
         let o = team.cli(name, args)?;
         if o.status.success() {
             return Ok(());
+        }
+        // Each new reason a run fails for, on stderr: where the time to a first run goes.
+        let why = String::from_utf8_lossy(&o.stderr).trim().to_string();
+        if why != last {
+            eprintln!("{name} +{:.1}s: {why}", started.elapsed().as_secs_f64());
+            last = why;
         }
         if Instant::now() > deadline {
             bail!(
