@@ -9,6 +9,10 @@
 //!   says whether the punch that followed succeeded.
 //! - A job input's transfer rate from `b` (direct after the punch) and from `c`
 //!   (through the team relay), fresh random bytes each run so nothing is cached.
+//!
+//! With `GPUNODE_LAB_KEEP` set, the lab's directory (every member's `serve.log`, and
+//! `b/first.log` from before `b` restarts) is kept and its path printed; with
+//! `GPUNODE_LAB_LOG` the members log at that `RUST_LOG` level.
 
 use std::io::Write;
 use std::path::Path;
@@ -49,7 +53,12 @@ pub struct PunchReport {
 
 /// Runs the benchmark with `gpunode` at `binary`.
 pub fn nat(binary: &Path, attempts: usize, transfer_bytes: u64, runs: usize) -> Result<NatReport> {
-    let tmp = tempfile::Builder::new().prefix("bench-nat").tempdir()?;
+    let mut tmp = tempfile::Builder::new().prefix("bench-nat").tempdir()?;
+    if std::env::var_os("GPUNODE_LAB_KEEP").is_some() {
+        // To read the members' logs afterwards.
+        tmp.disable_cleanup(true);
+        eprintln!("keeping the lab's files in {}", tmp.path().display());
+    }
     let hosts = [
         ("a", Nat::EndpointIndependent),
         ("b", Nat::EndpointIndependent),
@@ -71,6 +80,13 @@ pub fn nat(binary: &Path, attempts: usize, transfer_bytes: u64, runs: usize) -> 
         Duration::from_secs(120),
     )?;
     let first_run_ms = started.elapsed().as_secs_f64() * 1000.0;
+    if std::env::var_os("GPUNODE_LAB_KEEP").is_some() {
+        // `b` restarts below, which starts its log afresh.
+        std::fs::copy(
+            tmp.path().join("b/serve.log"),
+            tmp.path().join("b/first.log"),
+        )?;
+    }
 
     let mut punches = Vec::new();
     for (name, nat) in [("b", "endpoint-independent"), ("c", "symmetric")] {

@@ -5,6 +5,8 @@
 //! looked up in the DHT instead. The provider lookup stops once three responses agree
 //! or the responses pause; the query answers when every advert is in (or a short grace
 //! after the first, when some providers stay silent) with the adverts that match.
+//! A peer our last dial to failed is not asked again at the same addresses: its advert
+//! comes from the DHT, which holds its newest.
 
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
@@ -128,6 +130,40 @@ impl PendingFind {
     }
 }
 
+/// How long a failed dial keeps a peer's advert fetches on the DHT.
+const UNREACHABLE_FOR: Duration = Duration::from_secs(30);
+/// At most this many peers are remembered as unreachable.
+const UNREACHABLE_MAX: usize = 4096;
+
+/// Peers our last dial to failed, and when (bounded; entries last [`UNREACHABLE_FOR`]).
+#[derive(Debug, Default)]
+pub(super) struct Unreachable(HashMap<PeerId, Instant>);
+
+impl Unreachable {
+    /// A dial to `peer` failed at `now`.
+    pub(super) fn dial_failed(&mut self, peer: PeerId, now: Instant) {
+        if self.0.len() >= UNREACHABLE_MAX {
+            self.0
+                .retain(|_, at| now.duration_since(*at) < UNREACHABLE_FOR);
+        }
+        if self.0.len() < UNREACHABLE_MAX || self.0.contains_key(&peer) {
+            self.0.insert(peer, now);
+        }
+    }
+
+    /// `peer` is connected.
+    pub(super) fn reached(&mut self, peer: &PeerId) {
+        self.0.remove(peer);
+    }
+
+    /// Whether a dial to `peer` failed within [`UNREACHABLE_FOR`] of `now`.
+    pub(super) fn recently(&self, peer: &PeerId, now: Instant) -> bool {
+        self.0
+            .get(peer)
+            .is_some_and(|at| now.duration_since(*at) < UNREACHABLE_FOR)
+    }
+}
+
 /// Offer queries that arrived while the routing table was still empty.
 #[derive(Default)]
 pub(super) struct ParkedFinds {
@@ -231,7 +267,16 @@ impl EventLoop {
             }
         }
         find.outstanding += 1;
-        self.send_advert_request(id, peer);
+        let stale = !self.connections.contains_key(&peer)
+            && self.unreachable.recently(&peer, Instant::now());
+        tracing::debug!(%peer, from_dht = stale, "fetching an advert");
+        if stale {
+            // Dialling it again would try the same addresses (those its last advert
+            // gave, or the routing table's) and wait out the same timeout.
+            self.fetch_advert_from_dht(id, peer);
+        } else {
+            self.send_advert_request(id, peer);
+        }
     }
 
     fn send_advert_request(&mut self, id: u64, peer: PeerId) {
@@ -385,6 +430,7 @@ impl EventLoop {
         let Ok(advert) = accepted else {
             return false;
         };
+        tracing::debug!(%peer, seq = advert.seq, addrs = ?advert.listen_addrs, "advert accepted");
         if let Some(find) = self.finds.get_mut(&id) {
             if find.found.get(peer).is_none_or(|a| a.seq < advert.seq) {
                 find.found.insert(*peer, advert);
@@ -540,5 +586,29 @@ mod tests {
         }
         assert_eq!(find.providers.len(), MAX_PROVIDERS_PER_FIND);
         assert_eq!(find.name(first, &local), Named::Known);
+    }
+
+    #[test]
+    fn a_failed_dial_sends_advert_fetches_to_the_dht_for_a_while_and_the_memory_is_bounded() {
+        let mut unreachable = Unreachable::default();
+        let t0 = Instant::now();
+        let peer = PeerId::random();
+        assert!(!unreachable.recently(&peer, t0));
+        unreachable.dial_failed(peer, t0);
+        assert!(unreachable.recently(&peer, t0 + UNREACHABLE_FOR / 2));
+        assert!(!unreachable.recently(&peer, t0 + UNREACHABLE_FOR));
+        unreachable.reached(&peer);
+        assert!(!unreachable.recently(&peer, t0));
+
+        // Dials failing to ever more peers (a lookup naming made-up ones) stop adding
+        // entries at the bound, and old entries make room again.
+        for _ in 0..UNREACHABLE_MAX + 100 {
+            unreachable.dial_failed(PeerId::random(), t0);
+        }
+        assert_eq!(unreachable.0.len(), UNREACHABLE_MAX);
+        let later = t0 + UNREACHABLE_FOR;
+        unreachable.dial_failed(peer, later);
+        assert!(unreachable.recently(&peer, later));
+        assert_eq!(unreachable.0.len(), 1);
     }
 }

@@ -6,6 +6,7 @@
 use gpunode_protocol::lease::{LeaseMessage, LeaseReply, RejectCode, Rejection};
 use gpunode_protocol::time::now_ms;
 use libp2p::request_response::{self, ResponseChannel};
+use libp2p::swarm::dial_opts::{DialOpts, PeerCondition};
 use libp2p::PeerId;
 
 use super::EventLoop;
@@ -196,6 +197,16 @@ impl EventLoop {
             kad.remove_peer(&peer);
             for addr in &addrs {
                 kad.add_address(&peer, addr.clone());
+            }
+            // Dialled here, whatever else is dialling the peer: a dial still under way to
+            // the addresses of an older advert would otherwise carry the request, and
+            // its failure would fail the request too.
+            let dial = DialOpts::peer_id(peer)
+                .addresses(addrs.clone())
+                .condition(PeerCondition::Always)
+                .build();
+            if let Err(e) = self.swarm.dial(dial) {
+                tracing::debug!(%peer, "cannot dial the advertised addresses: {e}");
             }
         }
         let id = self

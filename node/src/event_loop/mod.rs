@@ -98,6 +98,8 @@ pub(crate) struct EventLoop {
     /// Addresses gpunode peers report seeing this node at (identify), newest first.
     observed: swarm::ObservedAddrs,
     finds: HashMap<u64, PendingFind>,
+    /// Peers our last dial to failed (their adverts come from the DHT for a while).
+    unreachable: finds::Unreachable,
     next_find: u64,
     provider_queries: HashMap<QueryId, u64>,
     record_queries: HashMap<QueryId, (u64, PeerId)>,
@@ -178,6 +180,7 @@ impl EventLoop {
             connection_count: crate::heap::ConnectionCount::default(),
             observed: swarm::ObservedAddrs::default(),
             finds: HashMap::new(),
+            unreachable: finds::Unreachable::default(),
             next_find: 0,
             provider_queries: HashMap::new(),
             record_queries: HashMap::new(),

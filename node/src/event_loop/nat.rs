@@ -197,8 +197,19 @@ impl EventLoop {
         }
     }
 
-    /// Closes the retired relayed connections whose grace is over.
+    /// Closes the retired relayed connections whose grace is over. Relayed connections
+    /// that came while a direct one existed (an AutoNAT dial-back through the relay, for
+    /// one) are retired here too.
     pub(super) fn close_retired(&mut self, now: Instant) {
+        let mixed: Vec<PeerId> = self
+            .connections
+            .iter()
+            .filter(|(_, l)| l.conns.iter().any(|(_, a)| is_relayed(a)))
+            .map(|(p, _)| *p)
+            .collect();
+        for peer in mixed {
+            self.retire_relayed(&peer);
+        }
         let due: Vec<_> = self
             .relays
             .retiring
@@ -208,7 +219,12 @@ impl EventLoop {
             .collect();
         for id in due {
             self.relays.retiring.remove(&id);
-            self.swarm.close_connection(id);
+            let closing = self.swarm.close_connection(id);
+            tracing::debug!(
+                ?id,
+                closing,
+                "closing a relayed connection: a direct one exists"
+            );
         }
     }
 

@@ -130,6 +130,7 @@ impl EventLoop {
             listen_addrs,
             &self.desk.book().reserved_windows(),
         );
+        tracing::debug!(seq = advert.seq, addrs = ?advert.listen_addrs, "signed a new advert");
         let signed = self.sign(&advert)?;
         let own = self.own.as_mut()?;
         own.record = Some(signed);

@@ -10,8 +10,9 @@ use libp2p::core::ConnectedPoint;
 use libp2p::kad::{self, QueryResult, Record};
 use libp2p::multiaddr::Protocol;
 use libp2p::swarm::dial_opts::DialOpts;
-use libp2p::swarm::SwarmEvent;
+use libp2p::swarm::{DialError, SwarmEvent};
 use libp2p::{identify, mdns, Multiaddr, PeerId, Swarm};
+use tokio::time::Instant;
 
 use super::EventLoop;
 
@@ -73,6 +74,7 @@ impl EventLoop {
                     .conns
                     .push((connection_id, address));
                 self.retire_relayed(&peer_id);
+                self.unreachable.reached(&peer_id);
                 self.connection_count.opened();
                 self.metrics
                     .peers_connected
@@ -103,6 +105,9 @@ impl EventLoop {
             }
             SwarmEvent::OutgoingConnectionError { peer_id, error, .. } => {
                 tracing::debug!(?peer_id, "dial failed: {error}");
+                if let (Some(peer), DialError::Transport(_)) = (peer_id, &error) {
+                    self.unreachable.dial_failed(peer, Instant::now());
+                }
             }
             SwarmEvent::ListenerError { error, .. } => {
                 tracing::warn!("listener error: {error}");
@@ -247,6 +252,7 @@ impl EventLoop {
         };
         let now = now_ms();
         if let Ok(advert) = self.book.accept(&record.value, &publisher, now) {
+            tracing::debug!(%source, %publisher, seq = advert.seq, "storing an advert");
             record.expires = Some(
                 std::time::Instant::now()
                     + Duration::from_millis(advert.expires_at_ms.saturating_sub(now)),

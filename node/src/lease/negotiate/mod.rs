@@ -105,11 +105,12 @@ impl Negotiator {
         }
     }
 
-    /// Sends one lease message to `peer` and waits for the answer.
+    /// Sends one lease message to `peer` (dialling `addrs` when not connected) and waits
+    /// for the answer.
     pub async fn send_lease(
         &self,
         peer: PeerId,
-        addrs: Vec<Multiaddr>,
+        mut addrs: Vec<Multiaddr>,
         message: LeaseMessage,
     ) -> Result<Result<LeaseReply, LeaseSendError>, NodeError> {
         let mut attempt = 0;
@@ -125,6 +126,16 @@ impl Negotiator {
                 // attempt; the next one opens a fresh connection.
                 Err(e) if attempt < 3 && e.transport => {
                     tokio::time::sleep(Duration::from_millis(300)).await;
+                    // The addresses we dialled may be out of date: a peer that has just
+                    // started advertises its private addresses until it learns it is
+                    // behind NAT, then its relayed ones. Its newest advert says where
+                    // it listens now.
+                    if !addrs.is_empty() {
+                        let fresh = self.addresses_of(peer).await;
+                        if !fresh.is_empty() {
+                            addrs = fresh;
+                        }
+                    }
                 }
                 other => return Ok(other),
             }
@@ -313,5 +324,96 @@ fn price_limit(spec: &LeaseSpec) -> Result<Option<u64>, LeaseError> {
         }
         Some(p) => Ok(Some((p * 1000.0).round() as u64)),
         None => Ok(None),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::loop_client::Command;
+    use crate::views::{OfferSearch, OfferView};
+    use gpunode_protocol::lease::{Cancellation, LeaseId};
+    use tokio::sync::mpsc;
+
+    fn offer_at(peer: PeerId, addrs: &[&str]) -> OfferView {
+        OfferView {
+            peer_id: peer.to_string(),
+            gpus: Vec::new(),
+            cpu_cores: 1,
+            ram_bytes: 0,
+            backends: Vec::new(),
+            price_per_gpu_hour: 0.0,
+            simulated: true,
+            seq: 3,
+            issued_at_ms: 0,
+            expires_at_ms: u64::MAX,
+            listen_addrs: addrs.iter().map(|a| a.to_string()).collect(),
+            rtt_ms: None,
+            reputation: None,
+        }
+    }
+
+    /// A peer that had just started when we read its advert listed addresses it no
+    /// longer uses (private ones, before it learnt it is behind NAT): after the dial
+    /// fails, the next attempt goes to the addresses of its newest advert.
+    #[tokio::test]
+    async fn a_failed_dial_is_retried_at_the_addresses_of_the_newest_advert() {
+        let (tx, mut rx) = mpsc::channel(8);
+        let negotiator = Negotiator::new(LoopClient::new(tx), Keypair::generate_ed25519());
+        let provider = PeerId::random();
+        let old: Multiaddr = "/ip4/192.168.11.2/udp/4170/quic-v1".parse().unwrap();
+        let relayed = "/ip4/198.51.100.2/udp/4170/quic-v1/p2p/12D3KooWLNvLPJoMh3H4NbzvY77QWRydafF2jZTbs1WwV9ppmj9g/p2p-circuit";
+        let lease_id = LeaseId([7; 16]);
+        let fake_loop = tokio::spawn(async move {
+            let mut dialled = Vec::new();
+            while let Some(command) = rx.recv().await {
+                match command {
+                    Command::SendLease { addrs, reply, .. } => {
+                        dialled.push(addrs);
+                        let answer = if dialled.len() == 1 {
+                            Err(LeaseSendError {
+                                peer: provider,
+                                reason: "Handshake with the remote timed out".into(),
+                                transport: true,
+                            })
+                        } else {
+                            Ok(LeaseReply::Cancelled { lease_id })
+                        };
+                        let _ = reply.send(answer);
+                    }
+                    Command::IsConnected { reply, .. } => {
+                        let _ = reply.send(false);
+                    }
+                    Command::FindAdverts { reply, .. } => {
+                        let _ = reply.send(OfferSearch {
+                            offers: vec![offer_at(provider, &[relayed])],
+                            providers: 1,
+                            dht_requests: 1,
+                        });
+                    }
+                    other => panic!("unexpected command {other:?}"),
+                }
+            }
+            dialled
+        });
+        let message = LeaseMessage::Cancel {
+            cancellation: Cancellation {
+                lease_id,
+                by: negotiator.peer_id,
+                at_ms: 0,
+            },
+            signature: Vec::new(),
+        };
+        let answer = negotiator
+            .send_lease(provider, vec![old.clone()], message)
+            .await
+            .unwrap();
+        assert_eq!(answer, Ok(LeaseReply::Cancelled { lease_id }));
+        drop(negotiator);
+        let dialled = fake_loop.await.unwrap();
+        assert_eq!(
+            dialled,
+            vec![vec![old], vec![relayed.parse::<Multiaddr>().unwrap()]]
+        );
     }
 }

@@ -31,6 +31,9 @@ pub use streams::{TeamStream, TeamStreams, TEAM_STREAM_LIMITS};
 /// How often members compare what they know (revocations reach everyone within about
 /// twice this).
 pub const SYNC_EVERY: Duration = Duration::from_secs(5);
+/// Right after start, how often a member tries its first sync until another member
+/// answers (for at most [`SYNC_EVERY`] times six).
+const FIRST_SYNC_RETRY: Duration = Duration::from_millis(200);
 
 /// A node's team membership at run time.
 pub struct Team {
@@ -268,6 +271,22 @@ impl Team {
 /// expire, renewal of this member's certificate, sync with members, quota use saved.
 pub async fn run(team: Arc<Team>, link: PeerLink, mut stop: watch::Receiver<bool>) {
     link.client().set_team_allowed(team.allowed()).await;
+    // A member that has just started learns what changed while it was away (members
+    // who joined since, above all: until then it turns them away) as soon as it reaches
+    // another member, not a round later.
+    let (t, n, mut s) = (team.clone(), link.clone(), stop.clone());
+    tokio::spawn(async move {
+        let give_up = tokio::time::Instant::now() + SYNC_EVERY * 6;
+        while !*s.borrow() && tokio::time::Instant::now() < give_up {
+            if sync_with_members(&t, &n).await > 0 {
+                return;
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(FIRST_SYNC_RETRY) => {}
+                _ = s.changed() => return,
+            }
+        }
+    });
     let mut every = tokio::time::interval(SYNC_EVERY);
     loop {
         tokio::select! {

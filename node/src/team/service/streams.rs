@@ -184,12 +184,29 @@ async fn serve_join(team: &Team, link: &PeerLink, peer: PeerId, stream: Stream) 
     let _ = framing::write_message(&mut w, &reply).await;
     let _ = w.flush().await;
     let _ = w.close().await;
+    // Dropping a spent invite's join identity closes its connection, and a closed QUIC
+    // connection discards what the peer has not yet acknowledged: the joiner would be
+    // admitted here without knowing it, its invite used up. So wait (bounded) until it
+    // closes its side, which it does once it has read the answer.
+    let _ = tokio::time::timeout(EXCHANGE_TIMEOUT, until_closed(&mut r)).await;
     // Only now: a spent invite's join identity is dropped with this, after its answer.
     if let Some(a) = allowed {
         link.client().set_team_allowed(a).await;
     }
     if matches!(reply, JoinReply::Admitted { .. }) {
         sync_with_members(team, link).await;
+    }
+}
+
+/// Reads `r` until the peer closes it (or it fails), discarding at most a few KiB.
+async fn until_closed<R: futures::AsyncRead + Unpin>(r: &mut R) {
+    let mut buf = [0u8; 256];
+    let mut left = 4096usize;
+    while left > 0 {
+        match r.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => left = left.saturating_sub(n),
+        }
     }
 }
 
@@ -279,11 +296,12 @@ async fn serve_sync(team: &Team, link: &PeerLink, peer: PeerId, stream: Stream) 
 }
 
 /// Tells every connected member what we know and takes what they know.
-pub(crate) async fn sync_with_members(team: &Team, link: &PeerLink) {
+pub(crate) async fn sync_with_members(team: &Team, link: &PeerLink) -> usize {
     let connected = link.connected_peers().await;
     let team_id = team.lock().team;
     let members: HashSet<PeerId> = team.lock().members.iter().map(|c| c.cert.member).collect();
     let allowed = team.allowed();
+    let mut answered = 0;
     for peer in connected
         .into_iter()
         .filter(|p| members.contains(p) && allowed.contains(p))
@@ -302,9 +320,28 @@ pub(crate) async fn sync_with_members(team: &Team, link: &PeerLink) {
             Some(reply)
         };
         if let Ok(Some(reply)) = tokio::time::timeout(EXCHANGE_TIMEOUT, exchange).await {
+            answered += 1;
             if let Some(a) = team.merge(reply) {
                 link.client().set_team_allowed(a).await;
             }
         }
+    }
+    answered
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn waiting_for_a_joiner_to_close_ends_at_its_close_and_reads_a_bounded_amount() {
+        let mut closed = futures::io::Cursor::new(vec![1u8; 10]);
+        until_closed(&mut closed).await;
+        assert_eq!(closed.position(), 10);
+        // A peer that never closes and sends without end is read no further than the
+        // bound (the caller's timeout covers one that sends nothing).
+        let mut endless = futures::io::repeat(7).take(1 << 20);
+        until_closed(&mut endless).await;
+        assert!(endless.limit() >= (1 << 20) - 4096 - 256);
     }
 }
