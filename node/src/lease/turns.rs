@@ -275,14 +275,19 @@ impl StreamHandler for TurnNotices {
     ) -> BoxFuture<'static, ()> {
         Box::pin(async move {
             let mut buf = Vec::with_capacity(NOTICE_BYTES + 1);
-            let mut limited = (&mut stream).take(NOTICE_BYTES as u64 + 1);
-            let read = limited.read_to_end(&mut buf);
-            let first = TURN_STREAM_LIMITS.first_message;
-            let result = match tokio::time::timeout(first, read).await {
-                Err(_) => {
+            let read = {
+                let mut limited = (&mut stream).take(NOTICE_BYTES as u64 + 1);
+                let first = TURN_STREAM_LIMITS.first_message;
+                tokio::time::timeout(first, limited.read_to_end(&mut buf)).await
+            };
+            let result = match read {
+                Err(_) if buf.is_empty() => {
                     self.metrics.stream_refused("queue_turn", "silent");
                     return;
                 }
+                // Bytes came but the close did not, in time: what came is judged as it
+                // is (a busy sender's close may just be late).
+                Err(_) => decode_notice(&buf),
                 Ok(Err(_)) => Err("the stream broke"),
                 Ok(Ok(_)) => decode_notice(&buf),
             };
