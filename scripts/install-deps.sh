@@ -6,7 +6,8 @@
 # - iptables (the NAT lab of the e2e test that punches holes between members),
 # - bubblewrap (the container backend and its tests; prlimit and setpriv come with
 #   util-linux),
-# - Node.js and the js-libp2p packages of the interop test (tests/interop).
+# - Node.js and the js-libp2p packages of the interop test (tests/interop),
+# - chromium and puppeteer-core, for the dashboard's browser test (tests/dashboard).
 # Safe to run again; CI runs it before the tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -40,5 +41,10 @@ if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then
 fi
 if [ ! -d tests/interop/node_modules ] || [ tests/interop/package-lock.json -nt tests/interop/node_modules ]; then
   npm ci --prefix tests/interop --no-audit --no-fund --loglevel=error
+fi
+command -v chromium >/dev/null 2>&1 || apt_install chromium || { echo "chromium is needed for the dashboard's browser test (tests/tests/e2e/dashboard.rs)" >&2; exit 1; }
+if [ ! -d tests/dashboard/node_modules ] || [ tests/dashboard/package-lock.json -nt tests/dashboard/node_modules ]; then
+  # The browser is Debian's chromium: puppeteer must not download its own.
+  PUPPETEER_SKIP_DOWNLOAD=1 npm ci --prefix tests/dashboard --no-audit --no-fund --loglevel=error
 fi
 echo "dependencies ready"

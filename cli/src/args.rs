@@ -60,6 +60,12 @@ pub enum Command {
     /// node, bootstrap peers, clocks, bubblewrap, cgroups, NVML, team certificate) and
     /// print the exact fix for each problem; exits 1 when a check fails.
     Doctor(DoctorArgs),
+    /// Print the link to this machine's web dashboard (and open it where $BROWSER is set).
+    Dashboard {
+        /// Only print the link, even where a browser is configured.
+        #[arg(long)]
+        no_open: bool,
+    },
     /// Print a shell completion script: `gpunode completions bash > /etc/bash_completion.d/gpunode`.
     Completions {
         /// The shell.
@@ -514,6 +520,12 @@ pub struct ServeArgs {
     /// Also serve /metrics on this localhost address, e.g. 127.0.0.1:9464.
     #[arg(long, value_name = "ADDR")]
     pub metrics_addr: Option<String>,
+    /// Serve the web dashboard here (a loopback IP:PORT; default 127.0.0.1:4171).
+    #[arg(long, value_name = "ADDR")]
+    pub dashboard_addr: Option<String>,
+    /// Do not serve the web dashboard.
+    #[arg(long)]
+    pub no_dashboard: bool,
     /// How long an advert stays valid, e.g. 10m.
     #[arg(long, value_name = "DURATION")]
     pub advert_ttl: Option<String>,

@@ -76,6 +76,7 @@ async fn dispatch(cli: Cli) -> Result<ExitCode> {
         Command::Serve(args) => cmd::serve::serve(data_dir, config, args).await,
         Command::Offers(args) => cmd::offers::offers(data_dir, config, args).await,
         Command::Status(args) => cmd::status::status(data_dir, args).await,
+        Command::Dashboard { no_open } => cmd::status::dashboard(data_dir, no_open).await,
         Command::Id => cmd::status::id(&data_dir),
         Command::Lease(LeaseCommand::Request(args)) => {
             cmd::lease::request(data_dir, config, args).await

@@ -15,6 +15,8 @@ use serde::{Deserialize, Deserializer};
 
 /// Default port for TCP and QUIC.
 pub const DEFAULT_PORT: u16 = 4170;
+/// Port of the web dashboard on 127.0.0.1.
+pub const DEFAULT_DASHBOARD_PORT: u16 = 4171;
 
 /// Why configuration could not be used.
 #[derive(Debug, thiserror::Error)]
@@ -74,6 +76,14 @@ pub struct NodeConfig {
     pub idle_connection_timeout: Duration,
     /// Also serve `/metrics` (Prometheus) on this localhost TCP address.
     pub metrics_addr: Option<SocketAddr>,
+    /// Serve the read-only web dashboard (`gpunode dashboard` prints its URL).
+    pub dashboard: bool,
+    /// Where the dashboard listens: a loopback address (it has no login). Port 0 picks
+    /// a free port.
+    pub dashboard_addr: SocketAddr,
+    /// How often the GPU history the dashboard plots takes a sample (1 s to 60 s).
+    #[serde(deserialize_with = "de_duration")]
+    pub history_step: Duration,
     /// Log filter (`info`, `debug`, `gpunode_node=debug`, ...).
     pub log: String,
     /// Longest lease this node grants, renewals included.
@@ -220,6 +230,9 @@ impl Default for NodeConfig {
             inventory_poll: Duration::from_secs(2),
             idle_connection_timeout: Duration::from_secs(120),
             metrics_addr: None,
+            dashboard: true,
+            dashboard_addr: SocketAddr::from(([127, 0, 0, 1], DEFAULT_DASHBOARD_PORT)),
+            history_step: Duration::from_secs(10),
             log: "info".to_string(),
             max_lease_duration: Duration::from_secs(24 * 3600),
             offer_window: Duration::from_secs(10),
@@ -401,6 +414,21 @@ impl NodeConfig {
             }
         }
         self.validate_relay()?;
+        if !self.dashboard_addr.ip().is_loopback() {
+            return Err(ConfigError::Invalid(format!(
+                "dashboard_addr {} is not a loopback address: the dashboard has no login, so it \
+                 only listens on this machine; use 127.0.0.1:PORT (and an SSH tunnel to see it \
+                 from elsewhere)",
+                self.dashboard_addr
+            )));
+        }
+        if self.history_step < Duration::from_secs(1) || self.history_step > Duration::from_secs(60)
+        {
+            return Err(ConfigError::Invalid(format!(
+                "history_step {:?} is out of range: use 1s to 60s",
+                self.history_step
+            )));
+        }
         if let Some(addr) = self.metrics_addr {
             if !addr.ip().is_loopback() {
                 return Err(ConfigError::Invalid(format!(
@@ -606,6 +634,14 @@ mod tests {
             ("lend_gpu_memory = \"120%\"", "lend_gpu_memory"),
             ("owner_policy = \"ignore\"", "owner_policy"),
             ("queue_order = \"random\"", "queue_order"),
+            (
+                "dashboard_addr = \"0.0.0.0:4171\"",
+                "not a loopback address",
+            ),
+            ("dashboard_addr = \"localhost\"", "dashboard_addr"),
+            ("dashboard = \"off\"", "dashboard"),
+            ("history_step = \"100ms\"", "history_step"),
+            ("history_step = \"1h\"", "history_step"),
         ] {
             let err = NodeConfig::parse(bad).expect_err(bad).to_string();
             assert!(err.contains(says), "{bad}: {err}");

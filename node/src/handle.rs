@@ -28,6 +28,10 @@ pub(crate) struct HandleParts {
     pub team: Option<Arc<team::service::Team>>,
     /// Job data may go through a team relay when no direct connection is possible.
     pub allow_relayed_data: bool,
+    /// This machine's GPU samples and alerts.
+    pub history: crate::history::SharedHistory,
+    /// The owner's rules, as the dashboard shows them.
+    pub machine_policy: crate::overview::MachinePolicy,
 }
 
 /// A cloneable handle to a running node.
@@ -42,6 +46,10 @@ pub struct NodeHandle {
     requester: jobs::requester::Requester,
     accounts: Arc<Accounts>,
     team: Option<Arc<team::service::Team>>,
+    history: crate::history::SharedHistory,
+    machine_policy: Arc<crate::overview::MachinePolicy>,
+    /// Where the web dashboard answers, once it listens.
+    dashboard_url: Arc<std::sync::OnceLock<String>>,
 }
 
 impl NodeHandle {
@@ -64,7 +72,38 @@ impl NodeHandle {
             jobs: jobs::table::JobTable::default(),
             accounts: parts.accounts,
             team: parts.team,
+            history: parts.history,
+            machine_policy: Arc::new(parts.machine_policy),
+            dashboard_url: Arc::default(),
         }
+    }
+
+    /// This machine's GPU samples and latest alerts.
+    pub fn history(&self) -> &crate::history::SharedHistory {
+        &self.history
+    }
+
+    /// The owner's rules for this machine.
+    pub fn machine_policy(&self) -> &crate::overview::MachinePolicy {
+        &self.machine_policy
+    }
+
+    /// Records where the web dashboard answers (once; later calls are ignored).
+    pub fn set_dashboard_url(&self, url: String) {
+        let _ = self.dashboard_url.set(url);
+    }
+
+    /// The requests waiting in this provider's queue, in serving order (requesters
+    /// outside our team named only by their place).
+    pub async fn provider_queue(
+        &self,
+    ) -> Result<Vec<crate::overview::QueuedRequestView>, NodeError> {
+        self.link.client().provider_queue().await
+    }
+
+    /// Every provider whose verified advert this node holds, without a lookup.
+    pub async fn known_providers(&self) -> Result<Vec<crate::views::ProviderView>, NodeError> {
+        self.link.client().known_providers().await
     }
 
     /// This node's jobs waiting in providers' queues.
@@ -230,6 +269,47 @@ impl NodeHandle {
         Ok(self.accounts.export_ledger(format).await?)
     }
 
+    /// The balance after each ledger entry, thinned to about `points` rows.
+    pub async fn balance_history(
+        &self,
+        points: usize,
+    ) -> Result<crate::overview::BalanceHistory, NodeError> {
+        Ok(self.accounts.balance_history(points).await?)
+    }
+
+    /// This machine: GPUs now, their plots over `range`, jobs run for peers, alerts and
+    /// the owner's rules.
+    pub async fn machine_view(
+        &self,
+        range: crate::overview::PlotRange,
+    ) -> Result<crate::overview::MachineView, NodeError> {
+        let status = self.status().await?;
+        let (plots, mut alerts, step_ms) = self.history.read(|h| {
+            (
+                crate::overview::plots(h, range),
+                h.alerts().iter().cloned().collect::<Vec<_>>(),
+                h.step_ms(),
+            )
+        });
+        alerts.reverse();
+        Ok(crate::overview::MachineView {
+            peer_id: status.peer_id,
+            inventory: status.inventory,
+            running_jobs: status.running_jobs,
+            alerts,
+            policy: (*self.machine_policy).clone(),
+            range,
+            step_ms,
+            plots,
+        })
+    }
+
+    /// Busy share by day over the last 30 days.
+    pub fn utilization(&self) -> crate::overview::UtilizationReport {
+        self.history
+            .read(|h| crate::overview::utilization(h, self.peer_id.to_string()))
+    }
+
     /// Every peer with a reputation record or a balance here.
     pub fn peers_view(&self) -> Vec<ledger::views::PeerView> {
         self.accounts.peers_view()
@@ -330,6 +410,7 @@ impl NodeHandle {
     pub async fn status(&self) -> Result<NodeStatus, NodeError> {
         let mut status = self.link.client().status().await?;
         status.team = self.team.as_ref().map(|t| t.state().team.to_string());
+        status.dashboard_url = self.dashboard_url.get().cloned();
         Ok(status)
     }
 

@@ -105,10 +105,11 @@ fn start_watcher() {
     });
 }
 
-/// Returns the allocator's free pages to the operating system.
+/// Returns the allocator's free pages to the operating system (benchmarks call it
+/// before they read a settled resident size).
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 #[allow(unsafe_code)]
-fn trim() {
+pub fn trim() {
     // SAFETY: malloc_trim only releases memory the allocator holds free; it takes the
     // allocator's own locks and touches no memory of ours.
     unsafe {
@@ -118,7 +119,7 @@ fn trim() {
 
 /// Other allocators return free memory on their own.
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-fn trim() {}
+pub fn trim() {}
 
 #[cfg(test)]
 mod tests {

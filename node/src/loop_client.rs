@@ -78,6 +78,11 @@ pub(crate) enum Command {
         ticket: u128,
         reply: oneshot::Sender<bool>,
     },
+    /// Every provider whose verified, unexpired advert this node holds, without asking
+    /// anyone (the dashboard's network view).
+    KnownProviders(oneshot::Sender<Vec<crate::views::ProviderView>>),
+    /// The requests waiting in this provider's queue, in serving order.
+    ProviderQueue(oneshot::Sender<Vec<crate::overview::QueuedRequestView>>),
     /// The price (millicredits per GPU-hour) in the peer's newest verified advert this
     /// node holds, without asking the DHT.
     KnownPrice {
@@ -128,6 +133,18 @@ impl LoopClient {
     /// The price in `peer`'s newest verified advert this node holds.
     pub async fn known_price(&self, peer: PeerId) -> Result<Option<u64>, NodeError> {
         self.ask(|reply| Command::KnownPrice { peer, reply }).await
+    }
+
+    /// Every provider whose verified advert this node holds (no lookup).
+    pub async fn known_providers(&self) -> Result<Vec<crate::views::ProviderView>, NodeError> {
+        self.ask(Command::KnownProviders).await
+    }
+
+    /// The requests waiting in this provider's queue.
+    pub async fn provider_queue(
+        &self,
+    ) -> Result<Vec<crate::overview::QueuedRequestView>, NodeError> {
+        self.ask(Command::ProviderQueue).await
     }
 
     /// Providers whose verified, unexpired adverts match `filter`.

@@ -360,6 +360,7 @@ mod tests {
             mig_enabled: None,
             compute_capability: None,
             temperature_c: None,
+            power_w: None,
             ecc_uncorrected: None,
             processes: pids
                 .iter()

@@ -46,6 +46,7 @@ impl Node {
         let (commands_tx, commands_rx) = mpsc::channel(64);
         let executor = wasm_executor(&opts)?;
         let control = swarm.behaviour().stream.new_control();
+        let history = open_history(&opts);
         let handle = NodeHandle::new(crate::handle::HandleParts {
             peer_id: state.peer_id,
             keypair: state.keypair.clone(),
@@ -56,6 +57,8 @@ impl Node {
             accounts: state.accounts.clone(),
             team: team.clone(),
             allow_relayed_data: config.allow_relayed_data,
+            history: history.clone(),
+            machine_policy: crate::overview::MachinePolicy::of(config),
         });
         let (stop_tasks, stop_rx) = watch::channel(false);
         let mut tasks = spawn_local_servers(&opts, &handle, &stop_rx).await?;
@@ -92,6 +95,7 @@ impl Node {
         )?;
         let event_loop = EventLoop::new(LoopParts {
             alerts: config.alert_rules(),
+            history,
             swarm,
             keypair,
             commands: commands_rx,
@@ -197,6 +201,23 @@ fn open_state(opts: &NodeOptions) -> Result<State, NodeError> {
         accounts,
         ledger_writer,
     })
+}
+
+/// The GPU history the dashboard plots: on disk in the data dir (in memory for an
+/// ephemeral store); a file that cannot be read is set aside with a warning.
+fn open_history(opts: &NodeOptions) -> crate::history::SharedHistory {
+    let step = opts.config.history_step.as_millis() as u64;
+    let history = if opts.ephemeral_store {
+        crate::history::GpuHistory::in_memory(step)
+    } else {
+        let path = opts.data_dir.root().join(crate::history::HISTORY_FILE);
+        let (history, error) = crate::history::GpuHistory::open(&path, step);
+        if let Some(e) = error {
+            tracing::warn!("{e}");
+        }
+        history
+    };
+    crate::history::SharedHistory::new(history)
 }
 
 /// The GPU inventory (given, none for a client, or detected) with the owner's rules.

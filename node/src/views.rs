@@ -40,6 +40,19 @@ pub struct OfferView {
     pub reputation: Option<f64>,
 }
 
+/// A provider as the dashboard's network view lists it: its offer, how this node
+/// reaches it, and whether it is in this node's team.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ProviderView {
+    /// The provider's newest verified advert, with RTT and reputation.
+    #[serde(flatten)]
+    pub offer: OfferView,
+    /// How data travels to it now (`None`: not connected).
+    pub link: Option<LinkPath>,
+    /// A member of this node's team.
+    pub in_team: bool,
+}
+
 impl From<&Advert> for OfferView {
     fn from(a: &Advert) -> Self {
         OfferView {
@@ -125,6 +138,9 @@ pub struct NodeStatus {
     /// team relays (see `crate::nat`).
     #[serde(default)]
     pub reachability: String,
+    /// Where the web dashboard answers (`None`: it is off or could not listen).
+    #[serde(default)]
+    pub dashboard_url: Option<String>,
 }
 
 /// How data travels to a connected peer.

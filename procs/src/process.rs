@@ -48,10 +48,14 @@ impl ServeProcess {
             .context("cannot run gpunode id")?;
         let peer_id = String::from_utf8(id.stdout)?.trim().to_string();
         let log = data_dir.join("serve.log");
-        // Every process of a test network dials from 127.0.0.1: no per-address limit
-        // (a `--config` in `extra` takes precedence over this).
+        // Every process of a test network dials from 127.0.0.1: no per-address limit;
+        // each dashboard on a port of its own (a `--config` in `extra` takes precedence
+        // over this).
         let config = data_dir.join("testnet.toml");
-        std::fs::write(&config, "max_connections_per_ip = 0\n")?;
+        std::fs::write(
+            &config,
+            "max_connections_per_ip = 0\ndashboard_addr = \"127.0.0.1:0\"\n",
+        )?;
         let child = Command::new(binary)
             .env("GPUNODE_CONFIG", &config)
             .arg("--data-dir")

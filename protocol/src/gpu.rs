@@ -63,6 +63,9 @@ pub struct GpuInfo {
     /// Core temperature, °C, when the driver reports it.
     #[serde(default)]
     pub temperature_c: Option<u32>,
+    /// Power draw, watts, when the driver reports it.
+    #[serde(default)]
+    pub power_w: Option<u32>,
     /// Uncorrected ECC errors since the driver loaded, when ECC is on.
     #[serde(default)]
     pub ecc_uncorrected: Option<u64>,

@@ -178,10 +178,33 @@ async fn verify_big_ledger(entries: u64, runs: usize) -> Result<(u64, Vec<f64>)>
         .tempdir()?;
     let store = Store::open(dir.path())?;
     let me = Keypair::generate_ed25519();
-    let peers: Arc<Vec<Keypair>> = Arc::new((0..16).map(|_| Keypair::generate_ed25519()).collect());
     let (ledger, writer) = Ledger::open(store, me.clone())?;
     let (stop, stop_rx) = tokio::sync::watch::channel(false);
     let writer = tokio::spawn(writer.run(stop_rx));
+    fill_ledger(&ledger, &me, entries).await?;
+    let mut times = Vec::new();
+    let mut signatures = 0;
+    for _ in 0..runs.max(1) {
+        let l = ledger.clone();
+        let t = Instant::now();
+        let report = tokio::task::spawn_blocking(move || l.verify()).await??;
+        times.push(t.elapsed().as_secs_f64());
+        anyhow::ensure!(
+            report.first_bad.is_none(),
+            "verification failed: {report:?}"
+        );
+        signatures = report.signatures;
+    }
+    times.sort_by(f64::total_cmp);
+    drop(stop);
+    writer.await?;
+    Ok((signatures, times))
+}
+
+/// Appends `entries` settled receipts between `me` and 16 other identities to `ledger`,
+/// each signed by both sides (half earned, half spent).
+pub async fn fill_ledger(ledger: &Ledger, me: &Keypair, entries: u64) -> Result<()> {
+    let peers: Arc<Vec<Keypair>> = Arc::new((0..16).map(|_| Keypair::generate_ed25519()).collect());
     let mut made = 0u64;
     let started = Instant::now();
     while made < entries {
@@ -217,23 +240,7 @@ async fn verify_big_ledger(entries: u64, runs: usize) -> Result<(u64, Vec<f64>)>
         "built a ledger of {entries} entries in {:.1}s",
         started.elapsed().as_secs_f64()
     );
-    let mut times = Vec::new();
-    let mut signatures = 0;
-    for _ in 0..runs.max(1) {
-        let l = ledger.clone();
-        let t = Instant::now();
-        let report = tokio::task::spawn_blocking(move || l.verify()).await??;
-        times.push(t.elapsed().as_secs_f64());
-        anyhow::ensure!(
-            report.first_bad.is_none(),
-            "verification failed: {report:?}"
-        );
-        signatures = report.signatures;
-    }
-    times.sort_by(f64::total_cmp);
-    drop(stop);
-    writer.await?;
-    Ok((signatures, times))
+    Ok(())
 }
 
 /// Receipt number `i`: this node provided to a peer, or used one, in turn.

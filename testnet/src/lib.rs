@@ -7,6 +7,7 @@
 
 pub mod bench;
 pub mod bench_container;
+pub mod bench_dashboard;
 pub mod bench_hostile;
 pub mod bench_jobs;
 pub mod bench_nat;

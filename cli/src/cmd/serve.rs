@@ -17,7 +17,7 @@ use crate::target::apply_network_args;
 pub async fn serve(data_dir: DataDir, mut config: NodeConfig, args: ServeArgs) -> Result<ExitCode> {
     apply_serve_args(&mut config, &args)?;
     init_logging(&config.log);
-    let mut opts = NodeOptions::new(config, data_dir.clone(), Role::Provider);
+    let mut opts = NodeOptions::new(config.clone(), data_dir.clone(), Role::Provider);
     opts.wasm_worker = wasm_worker();
     let node = Node::start(opts).await.context("cannot start the node")?;
     let handle = node.handle();
@@ -27,9 +27,15 @@ pub async fn serve(data_dir: DataDir, mut config: NodeConfig, args: ServeArgs) -
         handle.peer_id(),
         data_dir.root().display()
     );
+    let (stop_dashboard, dashboard_stopped) = tokio::sync::watch::channel(false);
+    let dashboard = start_dashboard(&config, &handle, dashboard_stopped).await;
     crate::systemd::notify(&format!("READY=1\nSTATUS=serving as {}", handle.peer_id()));
     wait_for_stop_signal().await?;
     crate::systemd::notify("STOPPING=1");
+    let _ = stop_dashboard.send(true);
+    if let Some(task) = dashboard {
+        let _ = tokio::time::timeout(Duration::from_secs(2), task).await;
+    }
     tracing::info!("shutting down: withdrawing advert and flushing the store");
     if tokio::time::timeout(Duration::from_secs(10), node.shutdown())
         .await
@@ -38,6 +44,35 @@ pub async fn serve(data_dir: DataDir, mut config: NodeConfig, args: ServeArgs) -
         tracing::warn!("shutdown took over 10s; exiting anyway");
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Starts the web dashboard where the config says. A port in use is not fatal: the
+/// node serves without a dashboard and says how to move it.
+async fn start_dashboard(
+    config: &NodeConfig,
+    handle: &gpunode_node::NodeHandle,
+    stop: tokio::sync::watch::Receiver<bool>,
+) -> Option<tokio::task::JoinHandle<()>> {
+    if !config.dashboard {
+        return None;
+    }
+    let listener = match gpunode_dashboard::bind(config.dashboard_addr).await {
+        Ok(l) => l,
+        Err(e) => {
+            tracing::warn!(
+                "no dashboard: cannot listen on {} ({e}); set dashboard_addr in the config \
+                 (port 0 picks a free one) or dashboard = false",
+                config.dashboard_addr
+            );
+            return None;
+        }
+    };
+    let addr = listener.local_addr().ok()?;
+    let token = gpunode_dashboard::new_token();
+    handle.set_dashboard_url(gpunode_dashboard::url(addr, &token));
+    tracing::info!("dashboard on http://{addr}/ (`gpunode dashboard` prints its link)");
+    let serve = gpunode_dashboard::serve(listener, handle.clone(), token, stop);
+    Some(tokio::spawn(serve))
 }
 
 fn apply_serve_args(config: &mut NodeConfig, args: &ServeArgs) -> Result<(), ConfigError> {
@@ -73,6 +108,16 @@ fn apply_serve_args(config: &mut NodeConfig, args: &ServeArgs) -> Result<(), Con
     };
     if let Some(t) = &args.advert_ttl {
         config.advert_ttl = duration("advert-ttl", t)?;
+    }
+    if args.no_dashboard {
+        config.dashboard = false;
+    }
+    if let Some(a) = &args.dashboard_addr {
+        config.dashboard_addr = a.parse().map_err(|_| {
+            ConfigError::Invalid(format!(
+                "invalid --dashboard-addr '{a}': expected IP:PORT such as 127.0.0.1:4171"
+            ))
+        })?;
     }
     if let Some(t) = &args.inventory_poll {
         config.inventory_poll = duration("inventory-poll", t)?;

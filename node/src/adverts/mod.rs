@@ -118,6 +118,11 @@ impl AdvertBook {
         self.latest.is_empty()
     }
 
+    /// Every remembered advert that has not expired, in no order.
+    pub fn current(&self, now: UnixMillis) -> impl Iterator<Item = &Advert> {
+        self.latest.values().filter(move |a| a.expires_at_ms > now)
+    }
+
     /// The newest valid advert seen from `publisher`, if it has not expired.
     pub fn latest(&self, publisher: &PeerId, now: UnixMillis) -> Option<&Advert> {
         self.latest.get(publisher).filter(|a| a.expires_at_ms > now)

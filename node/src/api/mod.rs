@@ -10,7 +10,11 @@
 //! `GET /v1/ledger?recent=N`, `GET /v1/ledger/verify`, `GET /v1/ledger/export?format=csv|json`,
 //! `GET /v1/peers`, `GET /v1/team`, `POST /v1/team/invite` (role, uses, expires_ms),
 //! `POST /v1/team/add` and `POST /v1/team/revoke` (`{"peer": ID}`), `GET|POST
-//! /v1/team/policy` (`{"text": TOML}`), `GET /metrics`.
+//! /v1/team/policy` (`{"text": TOML}`), `GET /metrics`; and the dashboard's views:
+//! `GET /v1/network?limit=N`, `GET /v1/machine?range=hour|day`, `GET /v1/queue`,
+//! `GET /v1/utilization?format=json|csv`, `GET /v1/ledger/history?points=N`. The web
+//! dashboard serves [`read_routes`] (every `GET` above but `/metrics`) as they are.
+//! `docs/api.md` documents each answer.
 
 mod client;
 
@@ -21,7 +25,7 @@ use std::sync::Arc;
 use axum::extract::{Path as UrlPath, Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use axum::routing::get;
+use axum::routing::{get, post};
 use axum::{Json, Router};
 use gpunode_protocol::advert::OfferFilter;
 use serde::{Deserialize, Serialize};
@@ -406,6 +410,129 @@ async fn metrics_text(metrics: Arc<Metrics>) -> Response {
         .into_response()
 }
 
+/// Query of `GET /v1/network`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct NetworkQuery {
+    /// Most providers listed (default 1000, at most 20,000).
+    #[serde(default)]
+    pub limit: Option<usize>,
+}
+
+/// `GET /v1/network`: every provider this node holds a verified advert of.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct NetworkView {
+    /// Providers known in all.
+    pub total: usize,
+    /// Team members first, then by price, at most `limit`.
+    pub providers: Vec<crate::views::ProviderView>,
+}
+
+async fn network(State(node): State<NodeHandle>, Query(q): Query<NetworkQuery>) -> Response {
+    let mut providers = match node.known_providers().await {
+        Ok(p) => p,
+        Err(e) => return ApiError500(e.to_string()).into_response(),
+    };
+    providers.sort_by(|a, b| {
+        b.in_team
+            .cmp(&a.in_team)
+            .then(
+                a.offer
+                    .price_per_gpu_hour
+                    .total_cmp(&b.offer.price_per_gpu_hour),
+            )
+            .then_with(|| a.offer.peer_id.cmp(&b.offer.peer_id))
+    });
+    let total = providers.len();
+    providers.truncate(q.limit.unwrap_or(1000).min(20_000));
+    Json(NetworkView { total, providers }).into_response()
+}
+
+/// Query of `GET /v1/machine`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct MachineQuery {
+    /// `hour` (default) or `day`.
+    #[serde(default)]
+    pub range: crate::overview::PlotRange,
+}
+
+async fn machine(State(node): State<NodeHandle>, Query(q): Query<MachineQuery>) -> Response {
+    match node.machine_view(q.range).await {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => ApiError500(e.to_string()).into_response(),
+    }
+}
+
+async fn provider_queue(State(node): State<NodeHandle>) -> Response {
+    match node.provider_queue().await {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => ApiError500(e.to_string()).into_response(),
+    }
+}
+
+async fn utilization(State(node): State<NodeHandle>, Query(q): Query<ExportQuery>) -> Response {
+    let report = node.utilization();
+    match q.format.as_deref().unwrap_or("json") {
+        "json" => Json(report).into_response(),
+        "csv" => (
+            [
+                (axum::http::header::CONTENT_TYPE, "text/csv; charset=utf-8"),
+                (
+                    axum::http::header::CONTENT_DISPOSITION,
+                    "attachment; filename=\"gpunode-utilization.csv\"",
+                ),
+            ],
+            crate::overview::utilization_csv(&report),
+        )
+            .into_response(),
+        other => (
+            StatusCode::BAD_REQUEST,
+            format!("unknown format '{other}': use json or csv"),
+        )
+            .into_response(),
+    }
+}
+
+/// Query of `GET /v1/ledger/history`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct HistoryQuery {
+    /// Most points (default 500, at most 2000).
+    #[serde(default)]
+    pub points: Option<usize>,
+}
+
+async fn balance_history(
+    State(node): State<NodeHandle>,
+    Query(q): Query<HistoryQuery>,
+) -> Response {
+    match node.balance_history(q.points.unwrap_or(500)).await {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => ApiError500(e.to_string()).into_response(),
+    }
+}
+
+/// Every read-only route of the API (all `GET`s but `/metrics`): what the Unix socket
+/// serves to the CLI and the web dashboard serves to the page, the same handlers.
+pub fn read_routes() -> Router<NodeHandle> {
+    Router::new()
+        .route("/v1/status", get(status))
+        .route("/v1/offers", get(offers))
+        .route("/v1/leases", get(list_leases))
+        .route("/v1/jobs", get(list_jobs))
+        .route("/v1/jobs/{id}", get(get_job))
+        .route("/v1/jobs/{id}/events", get(job_events))
+        .route("/v1/ledger", get(ledger))
+        .route("/v1/ledger/verify", get(verify_ledger))
+        .route("/v1/ledger/export", get(export_ledger))
+        .route("/v1/ledger/history", get(balance_history))
+        .route("/v1/peers", get(peers))
+        .route("/v1/team", get(team))
+        .route("/v1/team/policy", get(team_policy))
+        .route("/v1/network", get(network))
+        .route("/v1/machine", get(machine))
+        .route("/v1/queue", get(provider_queue))
+        .route("/v1/utilization", get(utilization))
+}
+
 /// Serves the full API on the Unix socket at `path` until `stop` turns true, then
 /// removes the socket file.
 pub async fn serve_unix(
@@ -417,25 +544,16 @@ pub async fn serve_unix(
     let metrics = node.metrics().clone();
     // The listener's own address is where it was bound, not where it was moved.
     let path = Some(path);
-    let app = Router::new()
-        .route("/v1/status", get(status))
-        .route("/v1/offers", get(offers))
-        .route("/v1/leases", get(list_leases).post(request_lease))
-        .route("/v1/leases/{id}/renew", axum::routing::post(renew_lease))
-        .route("/v1/leases/{id}/cancel", axum::routing::post(cancel_lease))
-        .route("/v1/jobs", get(list_jobs).post(submit_job))
-        .route("/v1/jobs/{id}", get(get_job))
-        .route("/v1/jobs/{id}/events", get(job_events))
-        .route("/v1/jobs/{id}/cancel", axum::routing::post(cancel_job))
-        .route("/v1/ledger", get(ledger))
-        .route("/v1/ledger/verify", get(verify_ledger))
-        .route("/v1/ledger/export", get(export_ledger))
-        .route("/v1/peers", get(peers))
-        .route("/v1/team", get(team))
-        .route("/v1/team/invite", axum::routing::post(team_invite))
-        .route("/v1/team/add", axum::routing::post(team_add))
-        .route("/v1/team/revoke", axum::routing::post(team_revoke))
-        .route("/v1/team/policy", get(team_policy).post(set_team_policy))
+    let app = read_routes()
+        .route("/v1/leases", post(request_lease))
+        .route("/v1/leases/{id}/renew", post(renew_lease))
+        .route("/v1/leases/{id}/cancel", post(cancel_lease))
+        .route("/v1/jobs", post(submit_job))
+        .route("/v1/jobs/{id}/cancel", post(cancel_job))
+        .route("/v1/team/invite", post(team_invite))
+        .route("/v1/team/add", post(team_add))
+        .route("/v1/team/revoke", post(team_revoke))
+        .route("/v1/team/policy", post(set_team_policy))
         .route("/metrics", get(move || metrics_text(metrics.clone())))
         .with_state(node);
     let _ = axum::serve(listener, app)

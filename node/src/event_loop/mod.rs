@@ -81,6 +81,9 @@ fn is_relayed(addr: &Multiaddr) -> bool {
         .any(|p| matches!(p, libp2p::multiaddr::Protocol::P2pCircuit))
 }
 
+/// The loop's regular tick (owner policy, GPU gauges and history, due publications).
+const TICK: Duration = Duration::from_secs(1);
+
 pub(crate) struct EventLoop {
     swarm: Swarm<NodeBehaviour>,
     keypair: Keypair,
@@ -109,6 +112,9 @@ pub(crate) struct EventLoop {
     parked_finds: ParkedFinds,
     /// When the loop started (young nodes park offer queries).
     started_at: Instant,
+    /// When the regular tick is next due: a fixed cadence, so a stream of events or
+    /// commands cannot keep pushing it back.
+    tick_at: Instant,
     /// Every admission decision, and the lease book behind it.
     desk: LeaseDesk,
     /// How peers stand with this node (team and accounts), for the desk.
@@ -126,6 +132,8 @@ pub(crate) struct EventLoop {
     team: Option<Arc<crate::team::service::Team>>,
     /// GPU alert thresholds and what they have seen.
     alerts: crate::alerts::AlertWatch,
+    /// Samples of this machine's GPUs and the latest alerts (the dashboard's plots).
+    history: crate::history::SharedHistory,
     /// What the node knows of its own reachability.
     nat: crate::nat::NatState,
     /// Team members that relay, and our reservations on them.
@@ -157,6 +165,8 @@ pub(crate) struct LoopParts {
     pub team: Option<Arc<crate::team::service::Team>>,
     /// GPU alert thresholds and hook.
     pub alerts: crate::alerts::AlertRules,
+    /// Where GPU samples and alerts are kept.
+    pub history: crate::history::SharedHistory,
     /// Kademlia server mode as configured.
     pub kad_server: bool,
 }
@@ -187,6 +197,7 @@ impl EventLoop {
             advert_fetches: HashMap::new(),
             parked_finds: ParkedFinds::default(),
             started_at: Instant::now(),
+            tick_at: Instant::now() + TICK,
             standings: crate::standings::PeerStandings::new(
                 parts.team.clone(),
                 parts.accounts.clone(),
@@ -204,6 +215,7 @@ impl EventLoop {
                 .map_or(crate::network::KAD_PROTOCOL, |t| t.state().kad_protocol()),
             team: parts.team,
             alerts: crate::alerts::AlertWatch::new(parts.alerts),
+            history: parts.history,
             nat: crate::nat::NatState::default(),
             relays: nat::Relays::default(),
             kad_server: parts.kad_server,
@@ -211,7 +223,7 @@ impl EventLoop {
     }
 
     fn next_timer(&self) -> Instant {
-        let mut t = Instant::now() + Duration::from_secs(1);
+        let mut t = self.tick_at;
         if let Some(own) = &self.own {
             if let Some(p) = own.publish_at {
                 t = t.min(p);
@@ -251,12 +263,14 @@ impl EventLoop {
                 }
                 command = self.commands.recv() => match command {
                     Some(Command::Shutdown(done)) => {
+                        self.history.save_now();
                         self.withdraw().await;
                         let _ = done.send(());
                         return;
                     }
                     Some(command) => self.on_command(command),
                     None => {
+                        self.history.save_now();
                         self.withdraw().await;
                         return;
                     }
@@ -317,6 +331,14 @@ impl EventLoop {
             }
             Command::PathTo { peer, reply } => {
                 let _ = reply.send(self.connections.get(&peer).map(Link::path));
+            }
+            Command::ProviderQueue(reply) => {
+                let team = self.team.clone();
+                let shown = |p: &PeerId| team.as_ref().is_some_and(|t| t.is_member(p));
+                let _ = reply.send(self.desk.queue_view(now_ms(), shown));
+            }
+            Command::KnownProviders(reply) => {
+                let _ = reply.send(self.known_providers());
             }
             Command::KnownPrice { peer, reply } => {
                 let price = self
@@ -397,6 +419,7 @@ impl EventLoop {
             observed_addrs: self.observed.to_strings(),
             connections: self.connection_views(),
             reachability: self.nat.reachability().to_string(),
+            dashboard_url: None,
         }
     }
 
@@ -458,12 +481,72 @@ impl EventLoop {
         }
     }
 
+    /// Every provider in the advert book, with how we reach it and its reputation.
+    fn known_providers(&self) -> Vec<crate::views::ProviderView> {
+        let now = now_ms();
+        self.book
+            .current(now)
+            .filter(|a| a.publisher != self.local_peer)
+            .map(|a| {
+                let mut offer = crate::views::OfferView::from(a);
+                offer.rtt_ms = self
+                    .rtts
+                    .get(&a.publisher)
+                    .map(|d| d.as_secs_f64() * 1000.0);
+                offer.reputation = Some(self.accounts.reputation.score(&a.publisher));
+                crate::views::ProviderView {
+                    offer,
+                    link: self.connections.get(&a.publisher).map(Link::path),
+                    in_team: self
+                        .team
+                        .as_ref()
+                        .is_some_and(|t| t.is_member(&a.publisher)),
+                }
+            })
+            .collect()
+    }
+
+    /// In a team: its GPUs as this node sees them now (own inventory and the members'
+    /// newest adverts): `(total, busy, leased)`.
+    fn team_gpu_use(
+        &self,
+        leased: &std::collections::HashSet<String>,
+        now: gpunode_protocol::time::UnixMillis,
+    ) -> Option<(u32, u32, u32)> {
+        use gpunode_protocol::gpu::GpuState;
+        let team = self.team.as_ref()?;
+        let (mut total, mut busy, mut lent) = (0u32, 0u32, 0u32);
+        for g in &self.inventory.gpus {
+            let is_lent = leased.contains(&g.uuid);
+            total += 1;
+            lent += u32::from(is_lent);
+            busy +=
+                u32::from(is_lent || g.state == GpuState::OwnerBusy || g.utilization_percent > 0);
+        }
+        for a in self.book.current(now) {
+            if a.publisher == self.local_peer || !team.is_member(&a.publisher) {
+                continue;
+            }
+            for g in &a.gpus {
+                total += 1;
+                lent += u32::from(g.state == GpuState::Leased);
+                busy += u32::from(matches!(g.state, GpuState::Leased | GpuState::OwnerBusy));
+            }
+        }
+        Some((total, busy, lent))
+    }
+
     /// GPU gauges, running jobs' gauges and alerts, from the latest inventory.
     fn watch_gpus(&mut self) {
         self.metrics.gpus.observe_gpus(&self.inventory);
         self.metrics.gpus.observe_jobs(&self.lease_jobs.views());
         let leased = self.desk.book().committed_gpus();
-        for alert in self.alerts.check(&self.inventory, &leased, now_ms()) {
+        let now = now_ms();
+        let alerts = self.alerts.check(&self.inventory, &leased, now);
+        let team = self.team_gpu_use(&leased, now);
+        self.history
+            .record(&self.inventory, &leased, &alerts, team, now);
+        for alert in alerts {
             self.metrics
                 .gpus
                 .alerts
@@ -474,9 +557,12 @@ impl EventLoop {
     }
 
     fn on_timer(&mut self) {
+        let now = Instant::now();
+        if now >= self.tick_at {
+            self.tick_at = now + TICK;
+        }
         self.enforce_owner_policy();
         self.watch_gpus();
-        let now = Instant::now();
         self.publish_if_due(now);
         if self
             .desk

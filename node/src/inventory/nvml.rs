@@ -115,6 +115,7 @@ fn info_of(
             .ok()
             .map(|c| (c.major.max(0) as u32, c.minor.max(0) as u32)),
         temperature_c: dev.temperature(TemperatureSensor::Gpu).ok(),
+        power_w: dev.power_usage().ok().map(|mw| mw / 1000),
         ecc_uncorrected: dev
             .total_ecc_errors(MemoryError::Uncorrected, EccCounter::Volatile)
             .ok(),

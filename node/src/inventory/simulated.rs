@@ -136,6 +136,7 @@ impl SimulatedGpus {
                             mig_enabled: Some(slices.is_some()),
                             compute_capability: None,
                             temperature_c: Some(35),
+                            power_w: None,
                             ecc_uncorrected: Some(0),
                             processes: Vec::new(),
                             state: GpuState::Idle,

@@ -135,12 +135,45 @@ impl super::accounts::Accounts {
     /// Checks the whole chain (off the async workers).
     pub async fn verify_ledger(&self) -> Result<VerifyReport, LedgerError> {
         let ledger = self.ledger.clone();
-        tokio::task::spawn_blocking(move || ledger.verify())
-            .await
-            .map_err(|e| LedgerError::Task(e.to_string()))?
+        tokio::task::spawn_blocking(move || {
+            let report = ledger.verify();
+            // A pass over the whole chain leaves the allocator holding what it read.
+            crate::heap::trim();
+            report
+        })
+        .await
+        .map_err(|e| LedgerError::Task(e.to_string()))?
     }
 
-    /// Every entry in `format`.
+    /// The balance after each entry, oldest first, thinned to about `points` rows.
+    pub async fn balance_history(
+        &self,
+        points: usize,
+    ) -> Result<crate::overview::BalanceHistory, LedgerError> {
+        let ledger = self.ledger.clone();
+        tokio::task::spawn_blocking(move || {
+            let (mut balance, mut rows) = (0.0f64, Vec::new());
+            ledger.for_each_entry(|e| {
+                balance += if e.direction == "earned" {
+                    e.amount
+                } else {
+                    -e.amount
+                };
+                rows.push((e.recorded_ms, (balance * 1000.0).round() / 1000.0));
+                Ok(())
+            })?;
+            let history = crate::overview::BalanceHistory {
+                entries: rows.len() as u64,
+                points: crate::overview::thin(rows, points),
+            };
+            crate::heap::trim();
+            Ok(history)
+        })
+        .await
+        .map_err(|e| LedgerError::Task(e.to_string()))?
+    }
+
+    /// Every ledger entry in `format`.
     pub async fn export_ledger(&self, format: ExportFormat) -> Result<String, LedgerError> {
         let ledger = self.ledger.clone();
         tokio::task::spawn_blocking(move || {

@@ -58,6 +58,22 @@ enum Cmd {
 
 #[derive(Debug, Subcommand)]
 enum Bench {
+    /// The web dashboard: first paint and data shown with many providers and a long
+    /// ledger, live-update delay, memory with the page open.
+    Dashboard {
+        /// Providers the node knows.
+        #[arg(long, default_value_t = 200)]
+        providers: usize,
+        /// Entries in the node's ledger.
+        #[arg(long, default_value_t = 10_000)]
+        entries: u64,
+        /// Page loads timed.
+        #[arg(long, default_value_t = 7)]
+        runs: usize,
+        /// Live updates timed.
+        #[arg(long, default_value_t = 10)]
+        updates: usize,
+    },
     /// Provider lookup time, DHT requests and memory per node.
     Discovery {
         /// Network sizes, comma separated.
@@ -362,6 +378,18 @@ fn bench(which: Bench) -> Result<()> {
                 runs,
             )?)
         }
+        Bench::Dashboard {
+            providers,
+            entries,
+            runs,
+            updates,
+        } => print(&runtime()?.block_on(testnet::bench_dashboard::dashboard(
+            &gpunode_binary()?,
+            providers,
+            entries,
+            runs,
+            updates,
+        ))?),
         Bench::Ledger {
             receipts,
             verify_entries,

@@ -4,6 +4,7 @@
 
 mod containers;
 mod discovery;
+mod history;
 mod hostile_peers;
 mod jobs;
 mod leases;

@@ -6,6 +6,7 @@ mod common;
 
 mod bad_input;
 mod container;
+mod dashboard;
 mod doctor;
 mod interop;
 mod lease;

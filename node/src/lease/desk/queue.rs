@@ -138,6 +138,48 @@ impl WaitQueue {
 }
 
 impl LeaseDesk {
+    /// The waiting requests in serving order, as this provider plans them now (at most
+    /// 64, the plan's depth). Requesters for whom `shown` is false (not in our team)
+    /// are named only by their place.
+    pub(crate) fn queue_view(
+        &mut self,
+        now: UnixMillis,
+        shown: impl Fn(&PeerId) -> bool,
+    ) -> Vec<crate::overview::QueuedRequestView> {
+        let waiting = &mut self.waiting;
+        waiting.queue.expire(now);
+        if waiting.queue.is_empty() {
+            return Vec::new();
+        }
+        let timelines = self.book.timelines(now);
+        let plan = waiting
+            .queue
+            .plan(&timelines, &waiting.fair, now, PLAN_DEPTH);
+        let mut out: Vec<_> = plan
+            .placements
+            .iter()
+            .filter_map(|p| {
+                let req = waiting.queue.request(&p.ticket)?;
+                let requester = match req.user.parse::<PeerId>() {
+                    Ok(peer) if shown(&peer) => req.user.clone(),
+                    _ => format!("peer outside the team (#{})", p.position),
+                };
+                Some(crate::overview::QueuedRequestView {
+                    position: p.position,
+                    of: p.of,
+                    requester,
+                    gpus: req.gpus,
+                    duration_ms: req.duration_ms,
+                    waiting_since_ms: waiting.queue.arrived(&p.ticket).unwrap_or(now),
+                    estimated_start_ms: p.start_ms,
+                    reason: p.reason.clone(),
+                })
+            })
+            .collect();
+        out.sort_by_key(|q| q.position);
+        out
+    }
+
     /// Places `req` in the queue and decides whether it starts now.
     pub(super) fn decide(
         &mut self,

@@ -145,7 +145,14 @@ impl TeamService {
     /// The team as `gpunode team members` shows it.
     pub async fn view(&self) -> TeamView {
         let connected: HashSet<PeerId> = self.link.connected_peers().await.into_iter().collect();
-        TeamView::of(&self.team.state(), &connected)
+        let mut view = TeamView::of(&self.team.state(), &connected);
+        let now = now_ms();
+        for m in &mut view.members {
+            if let Ok(peer) = m.peer_id.parse() {
+                m.quota = self.team.quota_use(&peer, now);
+            }
+        }
+        view
     }
 
     /// An invite token whose bootstrap addresses are this node's reachable addresses.
@@ -188,6 +195,23 @@ pub struct MemberView {
     pub revoked: bool,
     /// Whether this node is connected to it now.
     pub connected: bool,
+    /// What this node (as a provider) granted it today and this week, against the team
+    /// policy's quota.
+    #[serde(default)]
+    pub quota: QuotaUse,
+}
+
+/// GPU-hours one member was granted by this provider, and its quota (`None`: no limit).
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct QuotaUse {
+    /// Granted since the start of today (team time).
+    pub today_gpu_hours: f64,
+    /// Granted since the start of this week (Monday, team time).
+    pub week_gpu_hours: f64,
+    /// The policy's daily quota.
+    pub per_day: Option<f64>,
+    /// The policy's weekly quota.
+    pub per_week: Option<f64>,
 }
 
 /// The team as `gpunode team members` shows it.
@@ -221,6 +245,7 @@ impl TeamView {
                 issuer: c.cert.issuer.to_string(),
                 revoked: state.is_revoked(&c.cert.member),
                 connected: connected.contains(&c.cert.member),
+                quota: QuotaUse::default(),
             })
             .collect();
         members.sort_by(|a, b| a.peer_id.cmp(&b.peer_id));

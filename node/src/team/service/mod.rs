@@ -25,7 +25,7 @@ use super::{TeamOpError, TeamState};
 use crate::loop_client::PeerLink;
 use streams::{renew_from_admin, sync_with_members};
 
-pub use admin::{MemberView, TeamService, TeamView};
+pub use admin::{MemberView, QuotaUse, TeamService, TeamView};
 pub use streams::{TeamStream, TeamStreams, TEAM_STREAM_LIMITS};
 
 /// How often members compare what they know (revocations reach everyone within about
@@ -192,6 +192,31 @@ impl Team {
         policy
             .policy
             .check(peer, kind, gpus, duration_ms, used, now)
+    }
+
+    /// What this provider granted `peer` today and this week, and its quota.
+    pub fn quota_use(&self, peer: &PeerId, now: u64) -> admin::QuotaUse {
+        let s = self.lock();
+        let Some(policy) = &s.policy else {
+            // No policy: days and weeks in UTC, no limits.
+            let days = now / 86_400_000;
+            let (today, week) = (days * 86_400_000, (days - (days + 3) % 7) * 86_400_000);
+            let used = self.grants.used(peer, today, week);
+            return admin::QuotaUse {
+                today_gpu_hours: used.today_gpu_ms as f64 / 3_600_000.0,
+                week_gpu_hours: used.week_gpu_ms as f64 / 3_600_000.0,
+                ..admin::QuotaUse::default()
+            };
+        };
+        let (_, _, today, week) = policy.policy.team_time(now);
+        let used = self.grants.used(peer, today, week);
+        let quota = policy.policy.quota_of(peer);
+        admin::QuotaUse {
+            today_gpu_hours: used.today_gpu_ms as f64 / 3_600_000.0,
+            week_gpu_hours: used.week_gpu_ms as f64 / 3_600_000.0,
+            per_day: quota.gpu_hours_per_day,
+            per_week: quota.gpu_hours_per_week,
+        }
     }
 
     /// Saves the quota usage if it changed (at every sync tick and when the node stops).
