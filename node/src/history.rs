@@ -356,22 +356,24 @@ impl SharedHistory {
         self.0.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Records a sample (when a step has passed) and `alerts`; once a minute the
-    /// history is written to disk on a blocking thread.
+    /// Records a sample (when a step has passed) and `alerts`; `team` (the team's GPU
+    /// use, `None` outside a team) is asked only when a sample was taken. Once a minute
+    /// the history is written to disk on a blocking thread.
     pub fn record(
         &self,
         snap: &InventorySnapshot,
         leased: &HashSet<String>,
         alerts: &[crate::alerts::Alert],
-        team: Option<(u32, u32, u32)>,
+        team: impl FnOnce() -> Option<(u32, u32, u32)>,
         now: UnixMillis,
     ) {
+        let sampled = self.lock().record(snap, leased, now);
+        // Looking at the team walks the advert book: only when a sample is due.
+        let team = if sampled { team() } else { None };
         let save = {
             let mut h = self.lock();
-            if h.record(snap, leased, now) {
-                if let Some((total, busy, lent)) = team {
-                    h.record_team(total, busy, lent, now);
-                }
+            if let Some((total, busy, lent)) = team {
+                h.record_team(total, busy, lent, now);
             }
             for a in alerts {
                 h.record_alert(a, now);

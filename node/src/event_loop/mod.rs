@@ -543,7 +543,7 @@ impl EventLoop {
         let leased = self.desk.book().committed_gpus();
         let now = now_ms();
         let alerts = self.alerts.check(&self.inventory, &leased, now);
-        let team = self.team_gpu_use(&leased, now);
+        let team = || self.team_gpu_use(&leased, now);
         self.history
             .record(&self.inventory, &leased, &alerts, team, now);
         for alert in alerts {
