@@ -26,6 +26,7 @@ fn main() -> ExitCode {
     if std::env::args().nth(1).as_deref() == Some(gpunode_sandbox::wasm::worker::WORKER_ARG) {
         std::process::exit(gpunode_sandbox::wasm::worker::worker_main());
     }
+    gpunode_node::heap::limit_arenas();
     let cli = Cli::parse();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -16,6 +16,8 @@ pub mod chain;
 pub mod meter;
 pub mod newcomers;
 pub mod reputation;
+#[cfg(any(test, feature = "testing"))]
+pub mod testing;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -368,9 +370,19 @@ impl Ledger {
     /// Visits every entry in order, with its hash.
     pub fn for_each_entry(
         &self,
+        f: impl FnMut(EntryView) -> std::io::Result<()>,
+    ) -> Result<(), LedgerError> {
+        self.for_each_entry_after(0, f)
+    }
+
+    /// Visits, in order, every entry after sequence number `seq` (the first is 1).
+    pub fn for_each_entry_after(
+        &self,
+        seq: u64,
         mut f: impl FnMut(EntryView) -> std::io::Result<()>,
     ) -> Result<(), LedgerError> {
-        for kv in self.store.iter_prefix(TREE, b"e")? {
+        let from = entry_key(seq.saturating_add(1));
+        for kv in self.store.iter_prefix_from(TREE, b"e", &from)? {
             let (_, v) = kv?;
             let e = Entry::decode(&v)
                 .map_err(|e| LedgerError::Store(format!("entry does not decode: {e}")))?;

@@ -256,9 +256,13 @@ impl NodeHandle {
         Ok(self.accounts.ledger_view(recent)?)
     }
 
-    /// Checks the whole ledger chain.
-    pub async fn verify_ledger(&self) -> Result<ledger::chain::VerifyReport, NodeError> {
-        Ok(self.accounts.verify_ledger().await?)
+    /// Checks the whole ledger chain; with `reuse`, the last check's report when the
+    /// chain has not grown since.
+    pub async fn verify_ledger(
+        &self,
+        reuse: bool,
+    ) -> Result<ledger::chain::VerifyReport, NodeError> {
+        Ok(self.accounts.verify_ledger(reuse).await?)
     }
 
     /// Every ledger entry in `format`.

@@ -325,8 +325,77 @@ fn csv_field(text: &str) -> String {
 pub struct BalanceHistory {
     /// Entries in the ledger.
     pub entries: u64,
-    /// `[when the receipt's lease ended (unix ms), balance after it (credits)]`.
+    /// `[when the entry was recorded (unix ms), balance after it (credits)]`.
     pub points: Vec<(u64, f64)>,
+}
+
+/// The balance after each ledger entry, kept as entries are read so that a history is
+/// never read from the chain twice (an open dashboard asks at every new receipt).
+/// Holds every `stride`-th entry's row, at most [`BalanceSeries::MAX_ROWS`]: past that,
+/// every other row goes and the stride doubles. The last entry's row is always kept.
+#[derive(Debug, Clone)]
+pub struct BalanceSeries {
+    /// The last entry taken in (0: none).
+    seq: u64,
+    balance: f64,
+    stride: u64,
+    rows: Vec<(u64, f64)>,
+    last: Option<(u64, f64)>,
+}
+
+impl Default for BalanceSeries {
+    fn default() -> Self {
+        BalanceSeries {
+            seq: 0,
+            balance: 0.0,
+            stride: 1,
+            rows: Vec::new(),
+            last: None,
+        }
+    }
+}
+
+impl BalanceSeries {
+    /// Most rows kept (twice the most points a history returns, so thinning to any
+    /// allowed size still picks among rows).
+    pub const MAX_ROWS: usize = 2 * MAX_BALANCE_POINTS;
+
+    /// The last entry taken in (0: none).
+    pub fn seq(&self) -> u64 {
+        self.seq
+    }
+
+    /// Takes in entry `seq` (the one after [`BalanceSeries::seq`]), recorded at
+    /// `at_ms`, which moved the balance by `change` credits.
+    pub fn push(&mut self, seq: u64, at_ms: u64, change: f64) {
+        self.balance += change;
+        let row = (at_ms, (self.balance * 1000.0).round() / 1000.0);
+        if (seq.saturating_sub(1)).is_multiple_of(self.stride) {
+            self.rows.push(row);
+            if self.rows.len() > Self::MAX_ROWS {
+                let mut i = 0;
+                self.rows.retain(|_| {
+                    i += 1;
+                    i % 2 == 1
+                });
+                self.stride *= 2;
+            }
+        }
+        self.last = Some(row);
+        self.seq = seq;
+    }
+
+    /// The history thinned to about `points` rows, the last entry included.
+    pub fn history(&self, points: usize) -> BalanceHistory {
+        let mut rows = self.rows.clone();
+        if let Some(last) = self.last.filter(|l| rows.last() != Some(l)) {
+            rows.push(last);
+        }
+        BalanceHistory {
+            entries: self.seq,
+            points: thin(rows, points),
+        }
+    }
 }
 
 /// Most points a balance history returns.
@@ -417,6 +486,38 @@ mod tests {
         let head = r.headline.clone().expect("two team days");
         assert_eq!((head.from_percent, head.to_percent), (20.0, 50.0));
         assert!(utilization_csv(&r).contains("2024-10-05,team,,50,50,"));
+    }
+
+    #[test]
+    fn a_balance_series_stays_bounded_and_matches_the_chain_read_at_once() {
+        let change = |seq: u64| if seq.is_multiple_of(3) { -1.5 } else { 1.0 };
+        let mut series = BalanceSeries::default();
+        let (mut balance, mut all) = (0.0, Vec::new());
+        for seq in 1..=50_000u64 {
+            series.push(seq, seq * 10, change(seq));
+            balance += change(seq);
+            all.push((seq * 10, balance));
+            assert!(series.rows.len() <= BalanceSeries::MAX_ROWS);
+            // Read in pieces or at once, the history starts at the first entry and ends
+            // at the last with the balance of the whole chain.
+            if [1, 2, 4_001, 4_002, 33_333, 50_000].contains(&seq) {
+                let h = series.history(400);
+                assert_eq!(h.entries, seq);
+                assert!(h.points.len() <= 401, "{seq}: {}", h.points.len());
+                assert_eq!(h.points.first(), Some(&(10, 1.0)), "{seq}");
+                assert_eq!(h.points.last(), all.last(), "{seq}");
+                // Every point is a real row of the chain.
+                assert!(h.points.iter().all(|p| all[(p.0 / 10 - 1) as usize] == *p));
+            }
+        }
+        assert!(
+            series.rows.len() > MAX_BALANCE_POINTS,
+            "{}",
+            series.rows.len()
+        );
+        let h = series.history(usize::MAX);
+        assert!(h.points.len() <= MAX_BALANCE_POINTS + 1);
+        assert_eq!(BalanceSeries::default().history(10).points, Vec::new());
     }
 
     #[test]

@@ -194,15 +194,29 @@ impl Store {
         tree: &str,
         prefix: &[u8],
     ) -> Result<impl Iterator<Item = Result<Entry, StoreError>> + use<>, StoreError> {
+        self.iter_prefix_from(tree, prefix, prefix)
+    }
+
+    /// Like [`Store::iter_prefix`], from the first key at or after `from` (itself under
+    /// `prefix`) on.
+    pub fn iter_prefix_from(
+        &self,
+        tree: &str,
+        prefix: &[u8],
+        from: &[u8],
+    ) -> Result<impl Iterator<Item = Result<Entry, StoreError>> + use<>, StoreError> {
         let t = self.db.open_tree(tree).map_err(|e| self.io(e))?;
         let path = self.path.clone();
-        Ok(t.scan_prefix(prefix).map(move |r| {
-            r.map(|(k, v)| (k.to_vec(), v.to_vec()))
-                .map_err(|e| StoreError::Io {
-                    path: path.clone(),
-                    message: e.to_string(),
-                })
-        }))
+        let prefix = prefix.to_vec();
+        Ok(t.range(from.to_vec()..)
+            .take_while(move |r| r.as_ref().map_or(true, |(k, _)| k.starts_with(&prefix)))
+            .map(move |r| {
+                r.map(|(k, v)| (k.to_vec(), v.to_vec()))
+                    .map_err(|e| StoreError::Io {
+                        path: path.clone(),
+                        message: e.to_string(),
+                    })
+            }))
     }
 
     /// The last key and value of `tree` under `prefix`, if any.

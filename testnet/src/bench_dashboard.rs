@@ -6,12 +6,15 @@
 //! The measured node is a real `gpunode serve` process with its dashboard, as users run
 //! it; its ledger is built before it starts (`entries` receipts signed by both sides).
 //! Its providers are real nodes on 127.0.0.1 in this process, each with one or two
-//! simulated GPUs of 12 models, bootstrapped to it; it learns their adverts by searching
+//! simulated GPUs of 12 models (`BENCH_MODELS`: no family with more providers than a
+//! DHT response carries), bootstrapped to it; it learns their adverts by searching
 //! for each model through its API (`/v1/offers`), as `gpunode offers` does. The
 //! providers are then stopped, so the daemon only serves; their adverts stay known until
 //! they expire. Memory is the daemon's resident size. The browser is Debian's chromium,
 //! driven by `tests/dashboard/paint.mjs`; the live updates are jobs submitted through
-//! the daemon's Unix socket.
+//! the daemon's Unix socket. The same number of jobs is submitted the same way before
+//! the page opens, and "without" is read then, so the two sizes differ by the page
+//! alone (a daemon's first job sets up its job machinery, about 7 MiB, page or not).
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
@@ -22,23 +25,8 @@ use gpunode_node::jobs::JobRequest;
 use gpunode_node::DataDir;
 use serde::Serialize;
 
-use crate::bench::{percentile, rss_of};
+use crate::bench::{percentile, rss_of, BENCH_MODELS as MODELS};
 use crate::{start_node, TestNetConfig, TestNode};
-
-const MODELS: [&str; 12] = [
-    "A100-80GB",
-    "A100-40GB",
-    "H100-80GB",
-    "H200-141GB",
-    "L40S-48GB",
-    "L4-24GB",
-    "T4-16GB",
-    "V100-32GB",
-    "A10-24GB",
-    "RTX4090-24GB",
-    "RTX3090-24GB",
-    "A6000-48GB",
-];
 
 /// What `bench dashboard` reports.
 #[derive(Debug, Clone, Serialize)]
@@ -85,6 +73,29 @@ fn mib(bytes: u64) -> f64 {
 fn median_max(mut v: Vec<f64>) -> (f64, f64) {
     v.sort_by(f64::total_cmp);
     (percentile(&v, 0.5), v.last().copied().unwrap_or(f64::NAN))
+}
+
+/// Submits a job no provider can take (none is connected then): it appears, waits and
+/// fails.
+async fn submit_unservable(
+    api: &gpunode_node::api::ApiClient,
+    module: &std::path::Path,
+    output: &std::path::Path,
+) -> Result<String> {
+    let req = JobRequest::new(module, output).wait(false);
+    let job: serde_json::Value = api.post_json("/v1/jobs", &req).await?;
+    job["job_id"]
+        .as_str()
+        .map(str::to_string)
+        .context("the daemon answered a job without its id")
+}
+
+/// A job's id as the page may quote it in a selector (hex digits only).
+fn selector_safe(id: &str) -> Result<&str> {
+    if id.is_empty() || !id.chars().all(|c| c.is_ascii_alphanumeric()) {
+        bail!("unexpected job id {id:?}");
+    }
+    Ok(id)
 }
 
 /// `testnet bench dashboard`.
@@ -195,6 +206,13 @@ pub async fn dashboard(
     let providers_known = known(&api).await;
     eprintln!("the daemon knows {providers_known} providers; settling");
     tokio::time::sleep(Duration::from_secs(10)).await;
+    let out = tempfile::tempdir()?;
+    let module = crate::jobs::task("sleep.wat");
+    for n in 1..=updates {
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        submit_unservable(&api, &module, &out.path().join(format!("before-{n}"))).await?;
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
     let rss_without = rss_of(&pid);
     let status: serde_json::Value = api.get_json("/v1/status").await?;
     let url = status["dashboard_url"]
@@ -227,17 +245,13 @@ pub async fn dashboard(
             break;
         }
     }
-    let out = tempfile::tempdir()?;
-    let module = crate::jobs::task("sleep.wat");
     for n in 1..=updates {
         tokio::time::sleep(Duration::from_millis(700)).await;
         let at = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)?
             .as_millis();
-        // A job no provider can take (none is connected now): it appears, waits, fails.
-        let req = JobRequest::new(&module, out.path().join(n.to_string())).wait(false);
-        let _: serde_json::Value = api.post_json("/v1/jobs", &req).await?;
-        writeln!(stdin, "JOB {n} {at}")?;
+        let job = submit_unservable(&api, &module, &out.path().join(n.to_string())).await?;
+        writeln!(stdin, "JOB {n} {at} {}", selector_safe(&job)?)?;
         loop {
             if next_line(&mut line_rx).await?.starts_with("SEEN") {
                 break;

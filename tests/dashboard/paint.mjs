@@ -4,9 +4,9 @@
 //
 // Opens the page RUNS times in fresh tabs and measures first contentful paint and the
 // time until every view shows its data (the network view with PROVIDERS rows). Then
-// keeps one page open, prints "OPEN", and for each line "JOB <n> <unix_ms>" on stdin
-// (the bench submitted job number n at that moment) waits until the jobs view lists n
-// jobs and prints "SEEN <n> <ms since the submission>". Prints one JSON line at the end
+// keeps one page open, prints "OPEN", and for each line "JOB <n> <unix_ms> <job_id>" on
+// stdin (the bench submitted job number n at that moment) waits until the jobs view
+// lists that job and prints "SEEN <n> <ms since the submission>". Prints one JSON line at the end
 // of stdin.
 import puppeteer from "puppeteer-core";
 import { createInterface } from "node:readline";
@@ -51,10 +51,10 @@ try {
   console.log("OPEN");
   const updates = [];
   for await (const line of createInterface({ input: process.stdin })) {
-    const [word, n, at] = line.trim().split(" ");
+    const [word, n, at, job] = line.trim().split(" ");
     if (word !== "JOB") continue;
-    await page.waitForFunction((k) => document.querySelectorAll("#my-jobs tbody tr[data-job]").length >= k,
-      { timeout: 20000, polling: 5 }, Number(n));
+    await page.waitForFunction((id) => document.querySelector(`#my-jobs tbody tr[data-job="${id}"]`) !== null,
+      { timeout: 20000, polling: 5 }, job);
     const ms = Date.now() - Number(at);
     updates.push(ms);
     console.log(`SEEN ${n} ${ms}`);

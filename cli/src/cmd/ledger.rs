@@ -46,7 +46,7 @@ async fn summary(
 async fn verify(data_dir: DataDir, config: NodeConfig, json: bool) -> Result<ExitCode> {
     let report: VerifyReport = match Target::daemon_or_store(data_dir, config).await? {
         Target::Daemon(api) => api.get_json("/v1/ledger/verify").await?,
-        Target::Local(node) => node.once(async |h| h.verify_ledger().await).await?,
+        Target::Local(node) => node.once(async |h| h.verify_ledger(false).await).await?,
     };
     if json {
         println!("{}", serde_json::to_string_pretty(&report)?);

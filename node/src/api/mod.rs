@@ -288,8 +288,16 @@ async fn ledger(State(node): State<NodeHandle>, Query(q): Query<LedgerQuery>) ->
     }
 }
 
-async fn verify_ledger(State(node): State<NodeHandle>) -> Response {
-    match node.verify_ledger().await {
+/// Query of `/v1/ledger/verify`.
+#[derive(Debug, Deserialize)]
+pub struct VerifyQuery {
+    /// The last check's report when the chain has not grown since (default: check now).
+    #[serde(default)]
+    pub reuse: bool,
+}
+
+async fn verify_ledger(State(node): State<NodeHandle>, Query(q): Query<VerifyQuery>) -> Response {
+    match node.verify_ledger(q.reuse).await {
         Ok(v) => Json(v).into_response(),
         Err(e) => ApiError500(e.to_string()).into_response(),
     }

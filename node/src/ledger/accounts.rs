@@ -54,6 +54,12 @@ pub struct Accounts {
     /// Requester side: receipts we refused, by lease (why), the newest
     /// [`MAX_REFUSED_KEPT`] until the process ends.
     pub(super) refused: Mutex<RefusedReceipts>,
+    /// One whole-chain check at a time, and the last one's report with the head it
+    /// checked (a dashboard asks again at each load; see
+    /// [`Accounts::verify_ledger`]).
+    pub(super) last_verify: tokio::sync::Mutex<Option<super::views::CheckedChain>>,
+    /// The balance history as far as it was read (see [`Accounts::balance_history`]).
+    pub(super) balance_series: Arc<Mutex<crate::overview::BalanceSeries>>,
     /// Bumped after every batch of claims we answered.
     pub(super) answered: watch::Sender<u64>,
     pub(super) store: Store,
@@ -113,6 +119,8 @@ impl Accounts {
             claims: Mutex::new(claims),
             deferred: Mutex::new(Vec::new()),
             refused: Mutex::new(RefusedReceipts::default()),
+            last_verify: tokio::sync::Mutex::new(None),
+            balance_series: Arc::default(),
             answered: watch::channel(0).0,
             store,
             keypair,
@@ -287,6 +295,127 @@ mod accounts_tests {
         accounts
             .admit(&PeerId::random(), 0, 10_000, Some(10_000))
             .expect("a team member");
+    }
+
+    /// A receipt for lease `n` in which `provider` served `requester` for a second (one
+    /// credit).
+    fn settled(
+        provider: &Keypair,
+        requester: &Keypair,
+        n: u8,
+    ) -> gpunode_protocol::receipt::SettledReceipt {
+        crate::ledger::testing::settled(provider, requester, n, 1_000)
+    }
+
+    /// Accounts of a new identity in a new store, with the ledger writer running.
+    struct Running {
+        _dir: tempfile::TempDir,
+        store: Store,
+        me: Keypair,
+        accounts: Arc<Accounts>,
+        stop: watch::Sender<bool>,
+        writer: tokio::task::JoinHandle<()>,
+    }
+
+    impl Running {
+        fn start() -> Running {
+            let dir = tempfile::tempdir().expect("tmp");
+            let store = Store::open(dir.path()).expect("store");
+            let me = Keypair::generate_ed25519();
+            let (accounts, writer) = Accounts::open(
+                store.clone(),
+                me.clone(),
+                CreditPolicy {
+                    allowance_millicredits: 0,
+                    debt_limit_millicredits: 0,
+                    min_reputation: 0.0,
+                    new_peers_on_credit_per_day: 0,
+                },
+                Misbehaviour::default(),
+            )
+            .expect("open");
+            let (stop, stop_rx) = watch::channel(false);
+            Running {
+                _dir: dir,
+                store,
+                me,
+                accounts,
+                stop,
+                writer: tokio::spawn(writer.run(stop_rx)),
+            }
+        }
+
+        async fn stop(self) {
+            let _ = self.stop.send(true);
+            self.writer.await.expect("writer");
+        }
+    }
+
+    async fn record(accounts: &Accounts, receipt: gpunode_protocol::receipt::SettledReceipt) {
+        for r in accounts.ledger.record(vec![receipt]).await {
+            r.expect("recorded");
+        }
+    }
+
+    /// Overwrites entry `seq` on disk behind the ledger's back.
+    fn damage(store: &Store, seq: u64) {
+        let mut key = vec![b'e'];
+        key.extend_from_slice(&seq.to_be_bytes());
+        store
+            .put_durable("ledger", &key, b"not an entry")
+            .expect("damage");
+    }
+
+    #[tokio::test]
+    async fn the_balance_history_reads_only_new_entries_and_follows_the_chain() {
+        let run = Running::start();
+        let (accounts, store, me) = (&run.accounts, &run.store, &run.me);
+        let peer = Keypair::generate_ed25519();
+        let empty = accounts.balance_history(10).await.expect("history");
+        assert_eq!((empty.entries, empty.points.len()), (0, 0));
+        record(accounts, settled(me, &peer, 1)).await;
+        let one = accounts.balance_history(10).await.expect("history");
+        assert_eq!(one.entries, 1);
+        assert_eq!(one.points.last().map(|p| p.1), Some(1.0), "earned 1 credit");
+        record(accounts, settled(&peer, me, 2)).await;
+        let two = accounts.balance_history(10).await.expect("history");
+        assert_eq!(two.entries, 2);
+        assert_eq!(
+            two.points.iter().map(|p| p.1).collect::<Vec<_>>(),
+            [1.0, 0.0]
+        );
+        // Entry 1 damaged on disk: it was read already, so the history does not read it
+        // again (a new receipt costs one entry's read, however long the chain).
+        damage(store, 1);
+        assert_eq!(accounts.balance_history(10).await.expect("history"), two);
+        run.stop().await;
+    }
+
+    #[tokio::test]
+    async fn a_reused_check_is_of_the_same_head_and_a_new_check_reads_the_chain() {
+        let run = Running::start();
+        let (accounts, store, me) = (&run.accounts, &run.store, &run.me);
+        let peer = Keypair::generate_ed25519();
+        record(accounts, settled(me, &peer, 1)).await;
+        let first = accounts.verify_ledger(true).await.expect("verify");
+        assert_eq!((first.entries, first.first_bad.clone()), (1, None));
+
+        // The chain grew: a reused check is a new one.
+        record(accounts, settled(me, &peer, 2)).await;
+        let grown = accounts.verify_ledger(true).await.expect("verify");
+        assert_eq!((grown.entries, grown.first_bad.clone()), (2, None));
+
+        // An entry damaged on disk behind the ledger's back (the head unchanged): the
+        // reused report is the last check's; a new check reads the chain and finds it.
+        damage(store, 2);
+        assert_eq!(accounts.verify_ledger(true).await.expect("verify"), grown);
+        let checked = accounts.verify_ledger(false).await.expect("verify");
+        assert_eq!(
+            checked.first_bad.as_ref().map(|b| b.seq),
+            Some(2),
+            "{checked:?}"
+        );
+        run.stop().await;
     }
 
     #[test]

@@ -101,6 +101,20 @@ fn csv_field(s: &str) -> String {
     }
 }
 
+/// The report of a whole-chain check and the head it checked.
+#[derive(Debug, Clone)]
+pub struct CheckedChain {
+    seq: u64,
+    hash: gpunode_protocol::receipt::Digest,
+    report: VerifyReport,
+}
+
+impl CheckedChain {
+    fn is_of(&self, head: &super::chain::ChainHead) -> bool {
+        self.seq == head.seq && self.hash == head.hash
+    }
+}
+
 impl super::accounts::Accounts {
     /// Balances, the `recent` newest entries and unsettled claims.
     pub fn ledger_view(&self, recent: usize) -> Result<LedgerView, LedgerError> {
@@ -132,42 +146,53 @@ impl super::accounts::Accounts {
         })
     }
 
-    /// Checks the whole chain (off the async workers).
-    pub async fn verify_ledger(&self) -> Result<VerifyReport, LedgerError> {
+    /// Checks the whole chain (off the async workers). Checks run one at a time; with
+    /// `reuse`, a check of the same head as the last one returns that report instead of
+    /// reading the chain again (entries only ever append, so a head unchanged since is
+    /// the same chain).
+    pub async fn verify_ledger(&self, reuse: bool) -> Result<VerifyReport, LedgerError> {
+        let mut last = self.last_verify.lock().await;
+        let head = self.ledger.head();
+        if let Some(done) = last.as_ref().filter(|c| reuse && c.is_of(&head)) {
+            return Ok(done.report.clone());
+        }
         let ledger = self.ledger.clone();
-        tokio::task::spawn_blocking(move || {
+        let report = tokio::task::spawn_blocking(move || {
             let report = ledger.verify();
             // A pass over the whole chain leaves the allocator holding what it read.
             crate::heap::trim();
             report
         })
         .await
-        .map_err(|e| LedgerError::Task(e.to_string()))?
+        .map_err(|e| LedgerError::Task(e.to_string()))??;
+        *last = Some(CheckedChain {
+            seq: head.seq,
+            hash: head.hash,
+            report: report.clone(),
+        });
+        Ok(report)
     }
 
     /// The balance after each entry, oldest first, thinned to about `points` rows.
+    /// Only entries recorded since the last call are read from the chain.
     pub async fn balance_history(
         &self,
         points: usize,
     ) -> Result<crate::overview::BalanceHistory, LedgerError> {
-        let ledger = self.ledger.clone();
+        let (ledger, series) = (self.ledger.clone(), self.balance_series.clone());
         tokio::task::spawn_blocking(move || {
-            let (mut balance, mut rows) = (0.0f64, Vec::new());
-            ledger.for_each_entry(|e| {
-                balance += if e.direction == "earned" {
+            let mut series = series.lock().unwrap_or_else(|p| p.into_inner());
+            let after = series.seq();
+            ledger.for_each_entry_after(after, |e| {
+                let change = if e.direction == "earned" {
                     e.amount
                 } else {
                     -e.amount
                 };
-                rows.push((e.recorded_ms, (balance * 1000.0).round() / 1000.0));
+                series.push(e.seq, e.recorded_ms, change);
                 Ok(())
             })?;
-            let history = crate::overview::BalanceHistory {
-                entries: rows.len() as u64,
-                points: crate::overview::thin(rows, points),
-            };
-            crate::heap::trim();
-            Ok(history)
+            Ok(series.history(points))
         })
         .await
         .map_err(|e| LedgerError::Task(e.to_string()))?
