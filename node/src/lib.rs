@@ -13,6 +13,7 @@ pub mod alerts;
 pub mod api;
 pub mod config;
 pub mod data_dir;
+pub mod dht_store;
 mod error;
 mod event_loop;
 mod handle;

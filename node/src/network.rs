@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use gpunode_protocol::advert::MAX_SIGNED_ADVERT_BYTES;
 use libp2p::identity::Keypair;
-use libp2p::kad::store::{MemoryStore, MemoryStoreConfig};
+use libp2p::kad::store::MemoryStoreConfig;
 use libp2p::swarm::behaviour::toggle::Toggle;
 use libp2p::swarm::NetworkBehaviour;
 use libp2p::{
@@ -46,7 +46,7 @@ pub struct NodeBehaviour {
     /// else is dropped right after the handshake, before any other protocol runs.
     pub allow: Toggle<allow_block_list::Behaviour<allow_block_list::AllowedPeers>>,
     /// Peer and record routing.
-    pub kad: kad::Behaviour<MemoryStore>,
+    pub kad: kad::Behaviour<crate::dht_store::DhtStore>,
     /// Exchange of listen addresses and protocols.
     pub identify: identify::Behaviour,
     /// Liveness.
@@ -209,7 +209,7 @@ fn behaviour(
     settings: &SwarmSettings,
 ) -> Result<NodeBehaviour, Box<dyn std::error::Error + Send + Sync>> {
     let peer_id = key.public().to_peer_id();
-    let store = MemoryStore::with_config(
+    let store = crate::dht_store::DhtStore::new(
         peer_id,
         MemoryStoreConfig {
             max_records: 20_000,

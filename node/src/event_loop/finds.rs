@@ -3,8 +3,9 @@
 //! opened or a new one). A provider that cannot be reached now is left out (a lease
 //! with it would fail too); one that does not serve its advert (an older build) is
 //! looked up in the DHT instead. The provider lookup stops once three responses agree
-//! or the responses pause; the query answers when every advert is in (or a short grace
-//! after the first, when some providers stay silent) with the adverts that match.
+//! (unless one was full, see [`FULL_ANSWER`]) or the responses pause; the query answers
+//! when every advert is in (or a short grace after the first, when some providers stay
+//! silent) with the adverts that match.
 //! A peer our last dial to failed is not asked again at the same addresses: its advert
 //! comes from the DHT, which holds its newest.
 
@@ -29,6 +30,12 @@ use crate::views::{OfferSearch, OfferView};
 /// [`QUIET_ANSWERS`] of them named nobody new: the nodes near the key agree.
 const SETTLED_ANSWERS: u32 = 3;
 const QUIET_ANSWERS: u32 = 2;
+/// A response naming this many providers may have left some out: a Kademlia node
+/// answers with at most k = 20 of the providers it holds for a key (a random 20, see
+/// `crate::dht_store`). Once one does, the lookup does not stop early on agreement but
+/// asks every node near the key, each naming its own random 20, so that a model with
+/// more than 20 providers is found whole (up to [`MAX_PROVIDERS_PER_FIND`]).
+const FULL_ANSWER: usize = 20;
 /// How long the provider lookup may go without a new response, once one came, before it
 /// stops: the peers it still waits for are slow or gone (a dead peer's QUIC handshake
 /// takes seconds to time out).
@@ -54,6 +61,8 @@ pub(super) struct PendingFind {
     /// Responses that named providers, and how many in a row named nobody new.
     answers: u32,
     quiet_answers: u32,
+    /// A response named [`FULL_ANSWER`] providers: others may exist.
+    answer_was_full: bool,
     providers_done: bool,
     /// Peers named by the caller, not by a provider lookup: one that cannot be reached
     /// directly may have no address we know but its advert's, so ask the DHT.
@@ -115,6 +124,7 @@ impl PendingFind {
             dht_requests: 0,
             answers: 0,
             quiet_answers: 0,
+            answer_was_full: false,
             providers_done: false,
             named_peers: false,
             readdressing: HashSet::new(),
@@ -313,6 +323,7 @@ impl EventLoop {
         };
         if let Ok(kad::GetProvidersOk::FoundProviders { providers, .. }) = result {
             let named = !providers.is_empty();
+            let full = providers.len() >= FULL_ANSWER;
             let before = self.finds.get(&id).map_or(0, |f| f.providers.len());
             for peer in providers {
                 self.fetch_advert(id, peer);
@@ -321,6 +332,7 @@ impl EventLoop {
                 if !find.providers.is_empty() {
                     find.lookup_settles_at = Some(Instant::now() + ANSWER_GAP);
                 }
+                find.answer_was_full |= full;
                 if named {
                     find.answers += 1;
                     if find.providers.len() == before {
@@ -329,8 +341,9 @@ impl EventLoop {
                         find.quiet_answers = 0;
                     }
                 }
-                let settled =
-                    find.answers >= SETTLED_ANSWERS && find.quiet_answers >= QUIET_ANSWERS;
+                let settled = !find.answer_was_full
+                    && find.answers >= SETTLED_ANSWERS
+                    && find.quiet_answers >= QUIET_ANSWERS;
                 if settled && !last {
                     if let Some(mut q) = self.swarm.behaviour_mut().kad.query_mut(&query) {
                         q.finish();

@@ -270,7 +270,7 @@ trait StoreAccess {
     fn store_mut_add_provider(&mut self, record: kad::ProviderRecord) -> kad::store::Result<()>;
 }
 
-impl StoreAccess for kad::Behaviour<kad::store::MemoryStore> {
+impl StoreAccess for kad::Behaviour<crate::dht_store::DhtStore> {
     fn store_mut_put(&mut self, record: Record) -> kad::store::Result<()> {
         use kad::store::RecordStore;
         self.store_mut().put(record)
