@@ -171,6 +171,90 @@ fn the_dashboard_refuses_what_is_not_its_own_page() {
     );
 }
 
+/// `gpunode` as a user runs it: no `--data-dir`, no `--config`, under a private home.
+fn in_home(home: &std::path::Path) -> Command {
+    let mut c = Command::new(gpunode_bin());
+    c.env("HOME", home)
+        .env_remove("GPUNODE_DATA_DIR")
+        .env_remove("GPUNODE_CONFIG")
+        .env_remove("XDG_DATA_HOME")
+        .env_remove("XDG_CONFIG_HOME");
+    c
+}
+
+#[test]
+fn the_dashboard_of_a_node_in_the_default_data_dir_under_a_private_home() {
+    use std::os::unix::fs::PermissionsExt;
+    let tmp = tempfile::tempdir().expect("tmp");
+    let home = tmp.path().join("home");
+    std::fs::create_dir(&home).expect("home");
+    std::fs::set_permissions(&home, std::fs::Permissions::from_mode(0o700)).expect("chmod");
+    // The default config file, as a user would write it.
+    let config_dir = home.join(".config/gpunode");
+    std::fs::create_dir_all(&config_dir).expect("config dir");
+    std::fs::write(config_dir.join("config.toml"), CONFIG).expect("config");
+    let log = std::fs::File::create(tmp.path().join("serve.log")).expect("log");
+    let mut serve = gpunode_e2e::KillOnDrop(
+        in_home(&home)
+            .args([
+                "serve",
+                "--no-mdns",
+                "--listen",
+                "/ip4/127.0.0.1/udp/0/quic-v1",
+            ])
+            .args(["--simulate-gpus", "1xT4-16GB"])
+            .stderr(log)
+            .spawn()
+            .expect("serve"),
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let url = loop {
+        let out = in_home(&home)
+            .args(["dashboard", "--no-open"])
+            .output()
+            .expect("dashboard");
+        if out.status.success() {
+            break stdout(&out).trim().to_string();
+        }
+        assert!(Instant::now() < deadline, "no link: {}", stderr(&out));
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let rest = url.strip_prefix("http://").expect("http link");
+    let (addr, token) = rest.split_once("/?token=").expect("token in the link");
+    let (code, head, _) = get(addr, &format!("/?token={token}"), "");
+    assert_eq!(code, 303, "{head}");
+    let cookie = format!("Cookie: gpunode_dashboard={token}\r\n");
+    let (code, _, body) = get(addr, "/v1/status", &cookie);
+    assert_eq!(code, 200, "{body}");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (code, _, body) = get(addr, "/v1/machine", &cookie);
+        assert_eq!(code, 200);
+        let machine: Value = serde_json::from_str(&body).expect("machine JSON");
+        if machine["plots"][0]["simulated"] == true {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no GPU plot: {machine}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    // Stopped as systemd or a user would stop it: the history is kept in the default
+    // data dir, which only its owner can enter.
+    let term = Command::new("kill")
+        .args(["-TERM", &serve.0.id().to_string()])
+        .status()
+        .expect("kill");
+    assert!(term.success());
+    assert!(serve.0.wait().expect("exit").success());
+    let data_dir = home.join(".local/share/gpunode");
+    let mode = std::fs::metadata(&data_dir)
+        .expect("data dir")
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o700, "{}", data_dir.display());
+    assert!(data_dir.join("gpu-history.bin").is_file());
+    assert!(data_dir.join("identity.key").is_file());
+}
+
 #[test]
 fn the_page_shows_providers_plots_a_waiting_job_and_receipts_and_updates_live() {
     let driver = workspace_file("tests/dashboard/e2e.mjs");

@@ -62,16 +62,6 @@ fn man_pages_cover_every_subcommand() {
     assert!(serve.contains("simulate"), "the serve page lists its flags");
 }
 
-/// A child process killed (and reaped) on drop, so a failed assertion leaves none behind.
-struct Child(std::process::Child);
-
-impl Drop for Child {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 #[test]
 fn serve_tells_systemd_when_ready_and_when_stopping_and_leaves_time_stamps_to_the_journal() {
     use std::os::unix::fs::MetadataExt;
@@ -89,7 +79,7 @@ fn serve_tells_systemd_when_ready_and_when_stopping_and_leaves_time_stamps_to_th
     let log = std::fs::File::create(&log_path).expect("log");
     let meta = log.metadata().expect("meta");
     let node = tmp.path().join("node");
-    let mut child = Child(
+    let mut child = gpunode_e2e::KillOnDrop(
         Command::new(gpunode_bin())
             .arg("--data-dir")
             .arg(&node)
