@@ -375,6 +375,17 @@ fn policy_rejections() {
     let err = f.offer(&f.request(1, None, 6), NOW).unwrap_err();
     assert_eq!(err.code, RejectCode::PeerGpuLimit);
     assert!(err.message.contains("hold 2 GPUs"), "{}", err.message);
+    let mut one = Fixture::with_policy(LeasePolicy {
+        max_gpus_per_peer: 1,
+        ..LeasePolicy::default()
+    });
+    one.offer(&one.request(1, None, 1), NOW).unwrap();
+    let err = one.offer(&one.request(1, None, 2), NOW).unwrap_err();
+    assert!(
+        err.message.contains("you hold 1 GPU here"),
+        "{}",
+        err.message
+    );
     // Deny list.
     f.requester_key = requester;
     assert_eq!(

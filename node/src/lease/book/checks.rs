@@ -133,7 +133,8 @@ impl LeaseBook {
             return Err(reject(
                 RejectCode::PeerGpuLimit,
                 format!(
-                    "you hold {held} GPUs here and may hold at most {} at once",
+                    "you hold {held} GPU{} here and may hold at most {} at once",
+                    if held == 1 { "" } else { "s" },
                     p.max_gpus_per_peer
                 ),
             ));
