@@ -33,9 +33,14 @@ fn start(dir: &std::path::Path, extra: &[&str]) -> ServeProcess {
 
 /// `gpunode dashboard --no-open`: the link, once the daemon answers.
 fn dashboard_url(data_dir: &std::path::Path) -> String {
+    link_once_served(|| gpunode(data_dir, &["dashboard", "--no-open"]))
+}
+
+/// The link that `dashboard` (run by `run`) prints, once the daemon answers.
+fn link_once_served(run: impl Fn() -> std::process::Output) -> String {
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
-        let out = gpunode(data_dir, &["dashboard", "--no-open"]);
+        let out = run();
         if out.status.success() {
             return stdout(&out).trim().to_string();
         }
@@ -44,6 +49,22 @@ fn dashboard_url(data_dir: &std::path::Path) -> String {
             "no dashboard link: {}",
             stderr(&out)
         );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// Waits (up to 10 s) until the machine view at `addr` has a simulated GPU's plot: the
+/// first sample is taken within a step of the start.
+fn wait_for_gpu_plot(addr: &str, cookie: &str) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (code, _, body) = get(addr, "/v1/machine", cookie);
+        assert_eq!(code, 200);
+        let machine: Value = serde_json::from_str(&body).expect("machine JSON");
+        if machine["plots"][0]["simulated"] == true {
+            return;
+        }
+        assert!(Instant::now() < deadline, "no GPU plot: {machine}");
         std::thread::sleep(Duration::from_millis(200));
     }
 }
@@ -103,18 +124,7 @@ fn the_dashboard_refuses_what_is_not_its_own_page() {
         "{head}"
     );
     let cookie = format!("Cookie: gpunode_dashboard={token}\r\n");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        // The first sample is taken within a step of the start.
-        let (code, _, body) = get(addr, "/v1/machine", &cookie);
-        assert_eq!(code, 200);
-        let machine: Value = serde_json::from_str(&body).expect("machine JSON");
-        if machine["plots"][0]["simulated"] == true {
-            break;
-        }
-        assert!(Instant::now() < deadline, "no GPU plot: {machine}");
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    wait_for_gpu_plot(addr, &cookie);
 
     // DNS rebinding: the right token under another host name is refused.
     let (code, _, _) = http(
@@ -207,18 +217,12 @@ fn the_dashboard_of_a_node_in_the_default_data_dir_under_a_private_home() {
             .spawn()
             .expect("serve"),
     );
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let url = loop {
-        let out = in_home(&home)
+    let url = link_once_served(|| {
+        in_home(&home)
             .args(["dashboard", "--no-open"])
             .output()
-            .expect("dashboard");
-        if out.status.success() {
-            break stdout(&out).trim().to_string();
-        }
-        assert!(Instant::now() < deadline, "no link: {}", stderr(&out));
-        std::thread::sleep(Duration::from_millis(200));
-    };
+            .expect("dashboard")
+    });
     let rest = url.strip_prefix("http://").expect("http link");
     let (addr, token) = rest.split_once("/?token=").expect("token in the link");
     let (code, head, _) = get(addr, &format!("/?token={token}"), "");
@@ -226,17 +230,7 @@ fn the_dashboard_of_a_node_in_the_default_data_dir_under_a_private_home() {
     let cookie = format!("Cookie: gpunode_dashboard={token}\r\n");
     let (code, _, body) = get(addr, "/v1/status", &cookie);
     assert_eq!(code, 200, "{body}");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let (code, _, body) = get(addr, "/v1/machine", &cookie);
-        assert_eq!(code, 200);
-        let machine: Value = serde_json::from_str(&body).expect("machine JSON");
-        if machine["plots"][0]["simulated"] == true {
-            break;
-        }
-        assert!(Instant::now() < deadline, "no GPU plot: {machine}");
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    wait_for_gpu_plot(addr, &cookie);
     // Stopped as systemd or a user would stop it: the history is kept in the default
     // data dir, which only its owner can enter.
     let term = Command::new("kill")
