@@ -181,6 +181,44 @@ fn the_dashboard_refuses_what_is_not_its_own_page() {
     );
 }
 
+#[test]
+fn a_dashboard_turned_off_is_not_served_and_dashboard_says_so() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    // Off in the config file, and off by flag.
+    let by_config = tmp.path().join("c");
+    std::fs::create_dir_all(&by_config).expect("dir");
+    let config = by_config.join("off.toml");
+    std::fs::write(&config, "dashboard = false\n").expect("config");
+    let by_flag = tmp.path().join("f");
+    std::fs::create_dir_all(&by_flag).expect("dir");
+    let daemons = [
+        ServeProcess::start(
+            &gpunode_bin(),
+            &by_config,
+            &["--config".into(), config.display().to_string()],
+        )
+        .expect("serve"),
+        ServeProcess::start(&gpunode_bin(), &by_flag, &["--no-dashboard".into()]).expect("serve"),
+    ];
+    for daemon in &daemons {
+        let status = gpunode(&daemon.data_dir, &["status", "--json"]);
+        assert!(status.status.success(), "{}", stderr(&status));
+        let status: Value = serde_json::from_str(&stdout(&status)).expect("status JSON");
+        assert!(status["dashboard_url"].is_null(), "{status}");
+        let out = gpunode(&daemon.data_dir, &["dashboard", "--no-open"]);
+        assert_eq!(out.status.code(), Some(1));
+        assert!(
+            stderr(&out).contains("serves no dashboard: it is off (dashboard = false)"),
+            "{}",
+            stderr(&out)
+        );
+        // Off means never tried: no listener, and no complaint about a taken port.
+        let log = daemon.log();
+        assert!(!log.contains("dashboard on http://"), "{log}");
+        assert!(!log.contains("no dashboard: cannot listen"), "{log}");
+    }
+}
+
 /// `gpunode` as a user runs it: no `--data-dir`, no `--config`, under a private home.
 fn in_home(home: &std::path::Path) -> Command {
     let mut c = Command::new(gpunode_bin());
