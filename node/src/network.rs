@@ -29,6 +29,8 @@ use crate::lease::codec::{LeaseCodec, LEASE_PROTOCOL};
 pub const KAD_PROTOCOL: StreamProtocol = StreamProtocol::new("/gpunode/kad/1.0.0");
 /// Identify protocol version string.
 pub const IDENTIFY_PROTOCOL_VERSION: &str = "/gpunode/1.0.0";
+/// How long one Kademlia query may run in all (walk and store).
+const KAD_QUERY_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Why the swarm could not be built.
 #[derive(Debug, thiserror::Error)]
@@ -225,7 +227,11 @@ fn behaviour(
     let mut kad_config = kad::Config::new(kad_protocol);
     kad_config
         .set_record_filtering(kad::StoreInserts::FilterBoth)
-        .set_query_timeout(Duration::from_secs(10))
+        // Kademlia gives up on an unanswering peer after 10 s, and a walk waits for
+        // it; a whole query limited to those same 10 s ends at the first stuck peer,
+        // which on a loaded, forming network left provider records unstored. Lookups
+        // keep their own, shorter deadline (`event_loop::FIND_TIMEOUT`).
+        .set_query_timeout(KAD_QUERY_TIMEOUT)
         .set_caching(kad::Caching::Disabled)
         // The node re-publishes its advert and provider records itself.
         .set_publication_interval(None)

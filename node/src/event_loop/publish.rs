@@ -2,6 +2,13 @@
 //! when the inventory, leases or addresses change, storing it in the DHT, providing its
 //! capability keys, re-publishing when too few peers took it, and withdrawing it on
 //! shutdown.
+//!
+//! The advert goes out in two steps: a walk to the closest peers of its key, then a
+//! store at the peers the walk found. Kademlia's own `put_record` stores nothing when
+//! its walk runs out of time, which on a loaded, still-forming network is most walks; a
+//! walk that times out here still yields the closest peers it reached, and the advert
+//! is stored there. The peers that took it are known by name ([`OwnAdvert::holders`]),
+//! so the count shown is exact and a withdrawal goes straight to them.
 
 use std::time::Duration;
 
@@ -9,14 +16,14 @@ use futures::StreamExt;
 use gpunode_protocol::advert::{advert_record_key, capability_keys, Advert};
 use gpunode_protocol::gpu::GpuState;
 use gpunode_protocol::time::now_ms;
-use libp2p::kad::{self, QueryId, QueryResult, Quorum, Record, RecordKey};
-use libp2p::swarm::SwarmEvent;
+use libp2p::kad::store::RecordStore;
+use libp2p::kad::{PeerInfo, QueryId, Quorum, Record, RecordKey};
+use libp2p::PeerId;
 use tokio::time::Instant;
 
 use super::EventLoop;
 use crate::adverts::{AdvertStamp, LocalOffer};
 use crate::inventory::InventorySnapshot;
-use crate::network::NodeBehaviourEvent;
 use crate::views::AdvertStatus;
 
 /// How long shutdown waits for the withdrawal to reach peers.
@@ -36,6 +43,18 @@ pub(super) struct OwnAdvert {
     pub(super) needs_new: bool,
     pub(super) publish_at: Option<Instant>,
     pub(super) refresh_at: Instant,
+    /// The walk to the closest peers of our advert key, while it runs.
+    walk: Option<QueryId>,
+    /// The store of our advert at the peers the walk found, while it runs.
+    put: Option<PendingPut>,
+    /// The peers that took our latest advert.
+    holders: Vec<PeerId>,
+}
+
+/// A store of our advert at fixed peers.
+struct PendingPut {
+    query: QueryId,
+    peers: Vec<PeerId>,
 }
 
 impl OwnAdvert {
@@ -56,7 +75,15 @@ impl OwnAdvert {
             needs_new: true,
             publish_at: Some(Instant::now() + Duration::from_millis(50)),
             refresh_at: Instant::now() + ttl / 2,
+            walk: None,
+            put: None,
+            holders: Vec::new(),
         }
+    }
+
+    /// Whether a publication of our advert is still under way.
+    fn publishing(&self) -> bool {
+        self.walk.is_some() || self.put.is_some()
     }
 }
 
@@ -85,19 +112,87 @@ impl EventLoop {
         }
     }
 
-    /// Signs a new advert if needed, stores it in the DHT and provides its capability keys.
-    pub(super) fn publish(&mut self, withdrawn: bool) -> Option<QueryId> {
-        let own = self.own.as_ref()?;
-        if own.needs_new || withdrawn || own.record.is_none() {
-            self.sign_new_advert(withdrawn)?;
+    /// Signs a new advert if needed, stores it in the DHT and provides its capability
+    /// keys. A withdrawal goes straight to the peers that hold our advert, where any do;
+    /// anything else starts with a walk to the closest peers of the advert key.
+    pub(super) fn publish(&mut self, withdrawn: bool) {
+        let Some(own) = self.own.as_ref() else {
+            return;
+        };
+        if (own.needs_new || withdrawn || own.record.is_none())
+            && self.sign_new_advert(withdrawn).is_none()
+        {
+            return;
         }
         let table_size = self.routing_table_size();
-        let own = self.own.as_mut()?;
+        let Some(own) = self.own.as_mut() else {
+            return;
+        };
         own.published_at_table_size = table_size;
-        let value = own.record.clone()?;
-        let query = self.put_own_record(value);
+        let Some(record) = self.own_record() else {
+            return;
+        };
+        let kad = &mut self.swarm.behaviour_mut().kad;
+        if let Err(e) = kad.store_mut().put(record.clone()) {
+            tracing::warn!("cannot keep own advert: {e:?}");
+        }
+        let Some(own) = self.own.as_mut() else {
+            return;
+        };
+        if withdrawn && !own.holders.is_empty() {
+            let peers = own.holders.clone();
+            own.walk = None;
+            own.put = Some(PendingPut {
+                query: kad.put_record_to(record, peers.iter().copied(), Quorum::All),
+                peers,
+            });
+        } else {
+            own.walk = Some(kad.get_closest_peers(record.key.to_vec()));
+        }
         self.provide_capability_keys(withdrawn);
-        query
+    }
+
+    /// The walk to the closest peers of our advert key ended, done or out of time, with
+    /// `peers`: store the advert at them.
+    pub(super) fn on_closest_peers(&mut self, query: QueryId, peers: Vec<PeerInfo>) {
+        if self.own.as_ref().and_then(|o| o.walk) != Some(query) {
+            return;
+        }
+        let record = self.own_record();
+        let Some(own) = self.own.as_mut() else {
+            return;
+        };
+        own.walk = None;
+        let peers: Vec<PeerId> = peers
+            .into_iter()
+            .map(|p| p.peer_id)
+            .take(REPLICATION)
+            .collect();
+        let Some(record) = record.filter(|_| !peers.is_empty()) else {
+            own.status.stored_at_peers = 0;
+            self.retry_if_under_replicated(0);
+            return;
+        };
+        let kad = &mut self.swarm.behaviour_mut().kad;
+        own.put = Some(PendingPut {
+            query: kad.put_record_to(record, peers.iter().copied(), Quorum::All),
+            peers,
+        });
+    }
+
+    /// The store of our advert ended: `stored` is the peers that took it (`None`: all
+    /// that were asked).
+    pub(super) fn on_advert_stored(&mut self, query: QueryId, stored: Option<Vec<PeerId>>) {
+        let Some(own) = self.own.as_mut() else {
+            return;
+        };
+        let Some(put) = own.put.take_if(|p| p.query == query) else {
+            return;
+        };
+        own.holders = stored.unwrap_or(put.peers);
+        own.status.stored_at_peers = own.holders.len();
+        let stored = own.holders.len();
+        self.retry_if_under_replicated(stored);
     }
 
     /// Signs a new advert of the inventory (idle GPUs under a lease shown as leased) and
@@ -158,23 +253,17 @@ impl EventLoop {
         inventory
     }
 
-    /// Stores our signed advert `value` in the DHT under our advert key, until its TTL.
-    fn put_own_record(&mut self, value: Vec<u8>) -> Option<QueryId> {
+    /// Our signed advert as a DHT record under our advert key, published by us, kept
+    /// until its TTL.
+    fn own_record(&self) -> Option<Record> {
         let own = self.own.as_ref()?;
-        let mut record = Record::new(RecordKey::new(&advert_record_key(&self.local_peer)), value);
+        let mut record = Record::new(
+            RecordKey::new(&advert_record_key(&self.local_peer)),
+            own.record.clone()?,
+        );
+        record.publisher = Some(self.local_peer);
         record.expires = Some(std::time::Instant::now() + own.ttl);
-        match self
-            .swarm
-            .behaviour_mut()
-            .kad
-            .put_record(record, Quorum::All)
-        {
-            Ok(q) => Some(q),
-            Err(e) => {
-                tracing::warn!("cannot store own advert: {e:?}");
-                None
-            }
-        }
+        Some(record)
     }
 
     /// Provides the capability keys of our advert (none once withdrawn) and stops
@@ -211,27 +300,16 @@ impl EventLoop {
             .ok()
     }
 
-    /// Publishes a withdrawn advert and waits (bounded) until a peer stored it, then
-    /// flushes the store.
+    /// Publishes a withdrawn advert and waits (bounded) until the peers it went to have
+    /// answered, then flushes the store.
     pub(super) async fn withdraw(&mut self) {
         if self.own.is_some() && !self.connections.is_empty() {
-            if let Some(query) = self.publish(true) {
-                let deadline = Instant::now() + WITHDRAW_TIMEOUT;
-                loop {
-                    tokio::select! {
-                        event = self.swarm.select_next_some() => {
-                            if let SwarmEvent::Behaviour(NodeBehaviourEvent::Kad(
-                                kad::Event::OutboundQueryProgressed { id, result: QueryResult::PutRecord(_), .. },
-                            )) = &event
-                            {
-                                if *id == query {
-                                    break;
-                                }
-                            }
-                            self.on_swarm_event(event);
-                        }
-                        _ = tokio::time::sleep_until(deadline) => break,
-                    }
+            self.publish(true);
+            let deadline = Instant::now() + WITHDRAW_TIMEOUT;
+            while self.own.as_ref().is_some_and(OwnAdvert::publishing) {
+                tokio::select! {
+                    event = self.swarm.select_next_some() => self.on_swarm_event(event),
+                    _ = tokio::time::sleep_until(deadline) => break,
                 }
             }
         }

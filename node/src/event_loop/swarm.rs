@@ -184,19 +184,25 @@ impl EventLoop {
                     self.on_providers(id, r, step.last, stats.num_requests())
                 }
                 QueryResult::GetRecord(r) => self.on_record(id, r, step.last, stats.num_requests()),
-                QueryResult::PutRecord(r) => {
-                    let stored = match &r {
-                        Ok(_) => stats.num_successes() as usize,
-                        Err(kad::PutRecordError::QuorumFailed { success, .. })
-                        | Err(kad::PutRecordError::Timeout { success, .. }) => success.len(),
+                QueryResult::GetClosestPeers(r) => {
+                    let peers = match r {
+                        Ok(ok) => ok.peers,
+                        Err(kad::GetClosestPeersError::Timeout { peers, .. }) => peers,
                     };
-                    if let Some(own) = &mut self.own {
-                        own.status.stored_at_peers = stored;
-                    }
-                    if let Err(e) = r {
-                        tracing::debug!("advert publication incomplete: {e:?}");
-                    }
-                    self.retry_if_under_replicated(stored);
+                    self.on_closest_peers(id, peers);
+                }
+                QueryResult::PutRecord(r) => {
+                    let stored = match r {
+                        Ok(_) => None,
+                        Err(e) => {
+                            tracing::debug!("advert publication incomplete: {e:?}");
+                            match e {
+                                kad::PutRecordError::QuorumFailed { success, .. }
+                                | kad::PutRecordError::Timeout { success, .. } => Some(success),
+                            }
+                        }
+                    };
+                    self.on_advert_stored(id, stored);
                 }
                 QueryResult::StartProviding(r) => {
                     let stored = match &r {

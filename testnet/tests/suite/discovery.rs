@@ -220,3 +220,41 @@ async fn a_three_node_network_shows_every_provider_every_time() {
         net.shutdown().await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_provider_counts_the_peers_that_hold_its_advert() {
+    // Four nodes: each advert is stored at the three others, and the count each shows
+    // is those three, never the walk's answers added to them.
+    let net = TestNet::gpu_providers(&["1xT4-16GB"; 4])
+        .start()
+        .await
+        .expect("start");
+    let others = net.nodes.len() - 1;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let mut counts = Vec::new();
+        for node in &net.nodes {
+            counts.push(
+                node.handle
+                    .status()
+                    .await
+                    .expect("status")
+                    .advert
+                    .stored_at_peers,
+            );
+        }
+        assert!(
+            counts.iter().all(|c| *c <= others),
+            "more holders than peers: {counts:?}"
+        );
+        if counts.iter().all(|c| *c == others) {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "adverts not stored at every peer: {counts:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    net.shutdown().await;
+}
