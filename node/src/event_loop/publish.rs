@@ -17,12 +17,13 @@ use gpunode_protocol::advert::{advert_record_key, capability_keys, Advert};
 use gpunode_protocol::gpu::GpuState;
 use gpunode_protocol::time::now_ms;
 use libp2p::kad::store::RecordStore;
-use libp2p::kad::{PeerInfo, QueryId, Quorum, Record, RecordKey};
+use libp2p::kad::{self, PeerInfo, QueryId, Quorum, Record, RecordKey};
 use libp2p::PeerId;
 use tokio::time::Instant;
 
 use super::EventLoop;
 use crate::adverts::{AdvertStamp, LocalOffer};
+use crate::dht_store::DhtStore;
 use crate::inventory::InventorySnapshot;
 use crate::views::AdvertStatus;
 
@@ -55,6 +56,16 @@ pub(super) struct OwnAdvert {
 struct PendingPut {
     query: QueryId,
     peers: Vec<PeerId>,
+}
+
+impl PendingPut {
+    /// Stores `record` at `peers`, done once every one of them has taken it.
+    fn start(kad: &mut kad::Behaviour<DhtStore>, record: Record, peers: Vec<PeerId>) -> Self {
+        PendingPut {
+            query: kad.put_record_to(record, peers.iter().copied(), Quorum::All),
+            peers,
+        }
+    }
 }
 
 impl OwnAdvert {
@@ -140,12 +151,8 @@ impl EventLoop {
             return;
         };
         if withdrawn && !own.holders.is_empty() {
-            let peers = own.holders.clone();
             own.walk = None;
-            own.put = Some(PendingPut {
-                query: kad.put_record_to(record, peers.iter().copied(), Quorum::All),
-                peers,
-            });
+            own.put = Some(PendingPut::start(kad, record, own.holders.clone()));
         } else {
             own.walk = Some(kad.get_closest_peers(record.key.to_vec()));
         }
@@ -174,10 +181,7 @@ impl EventLoop {
             return;
         };
         let kad = &mut self.swarm.behaviour_mut().kad;
-        own.put = Some(PendingPut {
-            query: kad.put_record_to(record, peers.iter().copied(), Quorum::All),
-            peers,
-        });
+        own.put = Some(PendingPut::start(kad, record, peers));
     }
 
     /// The store of our advert ended: `stored` is the peers that took it (`None`: all
@@ -190,8 +194,8 @@ impl EventLoop {
             return;
         };
         own.holders = stored.unwrap_or(put.peers);
-        own.status.stored_at_peers = own.holders.len();
         let stored = own.holders.len();
+        own.status.stored_at_peers = stored;
         self.retry_if_under_replicated(stored);
     }
 
