@@ -1,7 +1,8 @@
 //! The event loop's lease side: inbound lease messages go to the lease desk, which
 //! decides; the loop carries out what it says (store writes, jobs stopped, settlement,
-//! republishing), and replies wait until one flush has made a whole batch durable (group
-//! commit); outbound messages are routed back to their callers.
+//! republishing), and replies that bind (activated, renewed, cancelled) wait until one
+//! flush has made a whole batch durable (group commit), while offers and refusals leave
+//! at once; outbound messages are routed back to their callers.
 
 use gpunode_protocol::lease::{LeaseMessage, LeaseReply, RejectCode, Rejection};
 use gpunode_protocol::time::now_ms;
@@ -95,7 +96,15 @@ impl EventLoop {
             self.metrics.lease_rejected(r.code.label());
         }
         self.carry_out(effects);
-        self.lease_replies.push((channel, reply));
+        if binds(&reply) {
+            self.lease_replies.push((channel, reply));
+        } else {
+            let _ = self
+                .swarm
+                .behaviour_mut()
+                .lease
+                .send_response(channel, reply);
+        }
     }
 
     /// Does what the desk said, in order: stop and pause jobs, write the changes (and
@@ -276,5 +285,21 @@ pub(crate) fn capacity_from(snapshot: &InventorySnapshot, cpus: u32, mem_bytes: 
             .collect(),
         cpus,
         mem_bytes,
+    }
+}
+
+/// Whether `reply` acknowledges a change both sides rely on (an active, renewed or
+/// cancelled lease), so it may leave only once the change is durable. An offer binds
+/// nothing until its accept, which is written and flushed before `Activated` leaves: a
+/// crash before the next flush loses the hold (the accept is then refused as
+/// `unknown_lease` and the requester asks again) and the request's nonce (a replay of
+/// it gets an offer that only the requester could accept). A refusal or a queue place
+/// changes nothing durable. These go out at once, without waiting for a flush.
+fn binds(reply: &LeaseReply) -> bool {
+    match reply {
+        LeaseReply::Activated { .. }
+        | LeaseReply::Renewed { .. }
+        | LeaseReply::Cancelled { .. } => true,
+        LeaseReply::Offer { .. } | LeaseReply::Rejected(_) | LeaseReply::Queued(_) => false,
     }
 }
