@@ -254,6 +254,36 @@ async fn an_invalid_module_costs_no_lease() {
     net.shutdown().await;
 }
 
+/// A job the provider refuses after granting its lease (an input over its
+/// `max_job_bytes`) ends with the lease already given back: a requester that exits on the
+/// failure, as `gpunode run` without a daemon does, must not leave the provider's
+/// resources held until the lease's end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_job_has_given_its_lease_back_when_it_returns() {
+    let net = network(1, 1).await;
+    let (client, provider) = (net.client(0), net.provider(0));
+    let dir = tempfile::tempdir().unwrap();
+    let big = dir.path().join("big.bin");
+    let file = std::fs::File::create(&big).unwrap();
+    file.set_len((64 << 20) + 1).unwrap();
+    let req = request(task("copy.wat"), dir.path())
+        .input(&big)
+        .peer(net.provider_id(0))
+        .retries(0);
+    let (_, end) = run_to_end(&client.handle, req, LONG).await.unwrap();
+    let err = end.expect_err("over the provider's limit");
+    assert!(err.contains("takes at most"), "{err}");
+    // Asked at once, with nothing waited for: the lease is over on both sides.
+    let held = provider.handle.list_leases().await.unwrap();
+    assert_eq!(held.len(), 1, "{held:?}");
+    assert_eq!(
+        held[0].state,
+        gpunode_node::lease::LeaseState::Cancelled,
+        "{held:?}"
+    );
+    net.shutdown().await;
+}
+
 /// Sends one raw job request and returns the provider's first answer.
 async fn raw_submit(
     from: &gpunode_node::NodeHandle,

@@ -38,6 +38,8 @@ const ATTEMPT_GRACE: Duration = Duration::from_secs(30);
 /// How long a finished job waits for its provider's receipt before reporting the cost
 /// as an estimate.
 const RECEIPT_WAIT: Duration = Duration::from_secs(10);
+/// How long a failed attempt waits for its lease's cancellation to be answered.
+const RELEASE_WAIT: Duration = Duration::from_secs(3);
 /// Why an attempt ended when the provider went silent.
 const STOPPED_ANSWERING: &str = "the provider stopped answering";
 /// Why an attempt ended when the provider stopped the job unasked.
@@ -246,9 +248,18 @@ impl Requester {
         if req.reservation.is_none() {
             let negotiator = self.negotiator.clone();
             let lease_id = lease.lease_id.clone();
-            tokio::spawn(async move {
+            let release = async move {
                 let _ = negotiator.cancel_lease(&lease_id).await;
-            });
+            };
+            if matches!(outcome, Attempt::Done(_)) {
+                // The summary waits for the settled receipt, which this starts.
+                tokio::spawn(release);
+            } else {
+                // A failed attempt returns once its lease is released (bounded): a
+                // requester that exits on the failure, as `gpunode run` without a daemon
+                // does, would otherwise leave the provider's GPUs held until the lease ends.
+                let _ = tokio::time::timeout(RELEASE_WAIT, release).await;
+            }
         }
         outcome
     }
