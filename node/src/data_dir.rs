@@ -187,7 +187,13 @@ impl DataDir {
                 path: path.to_path_buf(),
                 reason: e.to_string(),
             })?;
-        let tmp = path.with_extension("key.tmp");
+        // A name of this call's own: two processes making the identity at once (`gpunode
+        // id` while `serve` starts) must not write into each other's file.
+        let tmp = path.with_extension(format!(
+            "key.{}.{:016x}.tmp",
+            std::process::id(),
+            rand::random::<u64>()
+        ));
         let err = |source| DataDirError::Dir {
             path: path.to_path_buf(),
             source,
@@ -201,10 +207,17 @@ impl DataDir {
             .map_err(err)?;
         file.write_all(&bytes).map_err(err)?;
         file.sync_all().map_err(err)?;
-        // Never overwrite a key that appeared meanwhile (another process made one).
-        fs::hard_link(&tmp, path).map_err(err)?;
-        fs::remove_file(&tmp).map_err(err)?;
-        Ok(key)
+        // Never overwrite a key that appeared meanwhile: another process made one first,
+        // and that one is the identity.
+        let linked = fs::hard_link(&tmp, path);
+        let _ = fs::remove_file(&tmp);
+        match linked {
+            Ok(()) => Ok(key),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => self
+                .load_identity()?
+                .ok_or_else(|| err(std::io::Error::from(std::io::ErrorKind::NotFound))),
+            Err(e) => Err(err(e)),
+        }
     }
 }
 
@@ -224,6 +237,42 @@ mod tests {
         assert_eq!(mode & 0o777, 0o600);
         let k2 = dd.load_or_create_identity().expect("load");
         assert_eq!(k1.public().to_peer_id(), k2.public().to_peer_id());
+    }
+
+    #[test]
+    fn processes_making_the_identity_at_once_all_get_the_one_on_disk() {
+        // `gpunode id` run while `serve` starts on a new data dir: each caller must end
+        // with the key the file holds, or the running node is not who the dir says.
+        for _ in 0..20 {
+            let dir = tempfile::tempdir().expect("tempdir");
+            let dd = DataDir::new(dir.path().join("d"));
+            let barrier = std::sync::Barrier::new(8);
+            let ids: Vec<_> = std::thread::scope(|s| {
+                let handles: Vec<_> = (0..8)
+                    .map(|_| {
+                        s.spawn(|| {
+                            barrier.wait();
+                            dd.load_or_create_identity().expect("identity").public()
+                        })
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| h.join().expect("thread"))
+                    .collect()
+            });
+            let on_disk = dd.load_identity().expect("load").expect("made").public();
+            assert!(
+                ids.iter().all(|k| *k == on_disk),
+                "a caller kept a key not on disk"
+            );
+            let left: Vec<_> = fs::read_dir(dir.path().join("d"))
+                .expect("dir")
+                .filter_map(|e| e.ok())
+                .filter(|e| e.file_name().to_string_lossy().ends_with(".tmp"))
+                .collect();
+            assert!(left.is_empty(), "temporary key files left: {left:?}");
+        }
     }
 
     #[test]
