@@ -3,6 +3,7 @@
 #
 #   bash scripts/gpu-check.sh            # builds the release binary if missing
 #   GPUNODE_BIN=/path/to/gpunode bash scripts/gpu-check.sh
+#   GPU_CHECK_KEEP=/some/dir bash scripts/gpu-check.sh   # keeps the nodes' and tasks' logs there
 #
 # Steps (each prints PASS or FAIL; the script exits 1 if any failed):
 #   1. the release binary and bubblewrap are there
@@ -27,6 +28,9 @@ FAILED=0
 cleanup() {
   for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null; done
   wait 2>/dev/null
+  if [ -n "${GPU_CHECK_KEEP:-}" ]; then
+    mkdir -p "$GPU_CHECK_KEEP" && cp "$WORK"/*.log "$GPU_CHECK_KEEP"/ 2>/dev/null
+  fi
   rm -rf "$WORK"
 }
 trap cleanup EXIT

@@ -26,6 +26,15 @@ impl ContainerRuntime {
         max_image_bytes: u64,
     ) -> Result<ContainerRuntime, String> {
         let config = ContainerConfig::detect().map_err(|e| e.to_string())?;
+        // Found once, now, before the node starts children of its own (cgroup v2 may
+        // move this process into a leaf of its group, which only works while it is alone
+        // there).
+        if !gpunode_sandbox::container::cgroups_delegated() {
+            tracing::warn!(
+                "no cgroups for container jobs here: CPU jobs get per-process limits and GPU \
+                 jobs are refused (`gpunode doctor` says how to give the node cgroups)"
+            );
+        }
         open_path_to(job_root, image_dir).map_err(|e| {
             format!(
                 "cannot make {} reachable for container jobs: {e}",
