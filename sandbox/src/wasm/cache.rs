@@ -29,6 +29,9 @@ const MAX_IN_MEMORY: usize = 64;
 /// Most compiled modules kept on disk; the least recently written go first (peers send
 /// modules, so the directory must not grow with them).
 const MAX_ON_DISK: usize = 256;
+/// Largest compiled module a waiting worker loads ahead of its task (each ready worker
+/// holds its own copy).
+const MAX_PRELOAD_BYTES: u64 = 32 << 20;
 
 impl ModuleCache {
     pub(crate) fn new(dir: &Path) -> std::io::Result<ModuleCache> {
@@ -109,6 +112,30 @@ impl ModuleCache {
     }
 
     /// Keeps `module` in memory under `key` (the caller checked it can run).
+    /// Loads the compiled module stored under `key` into memory ahead of its task (a
+    /// worker waiting for work, told which module its parent ran last), so that the
+    /// task's load is a memory hit. False when there is no such file, the key is not one
+    /// this cache makes, or the file is over [`MAX_PRELOAD_BYTES`].
+    pub(crate) fn preload(&self, engine: &Engine, key: &str) -> bool {
+        let well_formed = !key.is_empty()
+            && key.len() <= 128
+            && key
+                .bytes()
+                .all(|b| b.is_ascii_digit() || b.is_ascii_lowercase() || b == b'-');
+        if !well_formed {
+            return false;
+        }
+        let path = self.dir.join(format!("{key}.cwasm"));
+        let small = std::fs::metadata(&path).is_ok_and(|m| m.len() <= MAX_PRELOAD_BYTES);
+        match small.then(|| load(engine, &path)) {
+            Some(Ok(module)) => {
+                self.remember(key, &module);
+                true
+            }
+            _ => false,
+        }
+    }
+
     pub(crate) fn remember(&self, key: &str, module: &Module) {
         let mut mem = self.memory.lock().unwrap_or_else(|p| p.into_inner());
         if mem.len() >= MAX_IN_MEMORY {
@@ -131,6 +158,38 @@ fn load(engine: &Engine, path: &Path) -> wasmtime::Result<Module> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_module_loaded_ahead_is_a_memory_hit_and_only_cache_keys_are_loaded() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let engine = Engine::default();
+        let wat = b"(module (func (export \"f\")))";
+        ModuleCache::new(dir.path())
+            .expect("cache")
+            .get_or_compile(&engine, "abc123-plain-free", wat)
+            .expect("compile");
+        // A new process's cache: the module is on disk only.
+        let fresh = ModuleCache::new(dir.path()).expect("cache");
+        assert!(fresh.preload(&engine, "abc123-plain-free"));
+        let (_, source) = fresh
+            .get_or_compile(&engine, "abc123-plain-free", wat)
+            .expect("load");
+        assert_eq!(source, CacheSource::Memory);
+        // Nothing outside the cache's own names is opened.
+        std::fs::write(dir.path().join("x.cwasm"), b"junk").expect("write");
+        for key in [
+            "",
+            "../x",
+            "X",
+            "abc/..",
+            "abc123-plain-free\n",
+            "absent-plain-free",
+        ] {
+            assert!(!fresh.preload(&engine, key), "{key:?}");
+        }
+        // A damaged file is refused, not loaded.
+        assert!(!fresh.preload(&engine, "x"));
+    }
 
     #[test]
     fn the_disk_cache_keeps_a_bounded_number_of_modules() {

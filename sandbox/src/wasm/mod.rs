@@ -421,11 +421,7 @@ impl WasmExecutor {
     /// worker runs only modules its parent checked.
     fn load(&self, bytes: &[u8], fuel: bool) -> Result<(CompiledTask, String), SandboxError> {
         let hash = blake3::hash(bytes).to_hex().to_string();
-        let key = format!(
-            "{hash}-{}-{}",
-            if fuel { "fuel" } else { "plain" },
-            if self.epoch { "epoch" } else { "free" }
-        );
+        let key = cache_key(&hash, fuel, self.epoch);
         let (module, source) = self
             .cache
             .get_or_compile(self.engine_for(fuel), &key, bytes)
@@ -438,6 +434,12 @@ impl WasmExecutor {
             source,
         };
         Ok((task, key))
+    }
+
+    /// Loads the compiled module under cache `key` into memory ahead of its task (see
+    /// `ModuleCache::preload`); false when it is not there.
+    pub(crate) fn preload(&self, key: &str) -> bool {
+        self.cache.preload(&self.engine, key)
     }
 
     /// Whether `task` is a WASI command this sandbox can run.
@@ -525,6 +527,22 @@ impl WasmExecutor {
         }
         Ok(outcome)
     }
+}
+
+/// The cache key of a module with blake3 `hash`, compiled for fuel metering or not and
+/// with epoch checks or not (each is different machine code).
+fn cache_key(hash: &str, fuel: bool, epoch: bool) -> String {
+    format!(
+        "{hash}-{}-{}",
+        if fuel { "fuel" } else { "plain" },
+        if epoch { "epoch" } else { "free" }
+    )
+}
+
+/// The key under which a worker process (no fuel, no epoch checks) finds `task`'s
+/// compiled module, or `None` for a fuel-metered task (its worker builds its engine anew).
+pub(crate) fn worker_cache_key(task: &CompiledTask) -> Option<String> {
+    (!task.fuel).then(|| cache_key(&task.hash, false, false))
 }
 
 /// What [`WasmExecutor::warm_up`] runs: the steps of a small task (memory grown, a line

@@ -2,10 +2,11 @@
 //!
 //! A ready worker is `BINARY __gpunode-wasm-worker CACHE_DIR` with an empty environment:
 //! it has started, built its wasmtime engine for the executor's cache, run a trivial
-//! guest through the same code a task takes, and blocks reading its request on stdin. It
-//! has seen no task. Each task takes one worker and the worker exits with the task, so
-//! isolation is the same as with a worker started on demand: one process per task, never
-//! reused. A keeper thread refills the pool up to the size the node asks for (one per CPU
+//! guest through the same code a task takes, loaded the compiled module of the last task
+//! from the cache (a task run again starts without loading it), and blocks reading its
+//! request on stdin. It has seen no task. Each task takes one worker and the worker exits
+//! with the task, so isolation is the same as with a worker started on demand: one
+//! process per task, never reused. A keeper thread refills the pool up to the size the node asks for (one per CPU
 //! slot) and reaps workers whose tasks have ended, so neither happens on a task's path.
 //! A worker whose parent dies reads end-of-file and exits; the pool's drop kills the rest.
 
@@ -34,6 +35,9 @@ struct Shared {
     exiting: Vec<(Child, Instant)>,
     size: usize,
     stopping: bool,
+    /// The cache key of the module the last task ran, which workers started from now on
+    /// load while they wait (a task run again finds it in memory).
+    preload: Option<String>,
 }
 
 struct Inner {
@@ -91,6 +95,12 @@ impl WorkerPool {
         self.inner.lock().ready.len()
     }
 
+    /// Workers started from now on load the compiled module under cache `key` while
+    /// they wait: the module of the task about to run, likely to run again.
+    pub(crate) fn preload_for_next(&self, key: Option<String>) {
+        self.inner.lock().preload = key;
+    }
+
     /// A ready worker, or a new one when none is ready; the keeper starts its
     /// replacement.
     pub(crate) fn take(&self) -> std::io::Result<Child> {
@@ -111,7 +121,7 @@ impl WorkerPool {
                 self.wake_keeper();
                 Ok(child)
             }
-            None => self.inner.start(false),
+            None => self.inner.start(None),
         }
     }
 
@@ -147,13 +157,17 @@ impl Inner {
         self.shared.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Starts one worker: empty environment, piped stdio; `ahead` (started before its
-    /// task) tells it the cache to warm its engine for while it waits.
-    fn start(&self, ahead: bool) -> std::io::Result<Child> {
+    /// Starts one worker: empty environment, piped stdio. One started ahead of its task
+    /// (`ahead` is `Some`) is told the cache to warm its engine for while it waits, and
+    /// the cache key of a module to load meanwhile, if any.
+    fn start(&self, ahead: Option<Option<String>>) -> std::io::Result<Child> {
         let mut command = Command::new(&self.binary);
         command.arg(WORKER_ARG);
-        if ahead {
+        if let Some(preload) = ahead {
             command.arg(&self.cache_dir);
+            if let Some(key) = preload {
+                command.arg(key);
+            }
         }
         command
             .env_clear()
@@ -191,8 +205,9 @@ impl Inner {
                 }
             });
             if shared.ready.len() < shared.size {
+                let preload = shared.preload.clone();
                 drop(shared);
-                let started = self.start(true);
+                let started = self.start(Some(preload));
                 shared = self.lock();
                 match started {
                     Ok(child) if shared.ready.len() < shared.size && !shared.stopping => {

@@ -98,10 +98,16 @@ fn serve_one() -> Result<(), String> {
     // A worker started ahead of need builds its engine for the named cache while it
     // waits for its task.
     let warm_dir = std::env::args_os().nth(2).map(PathBuf::from);
+    let preload = std::env::args_os()
+        .nth(3)
+        .and_then(|a| a.into_string().ok());
     let warm = warm_dir.as_deref().and_then(|dir| {
         let exec = super::WasmExecutor::for_worker(dir, false).ok()?;
-        // A failed warm-up only means the task pays the first run's costs itself.
+        // A failed warm-up or preload only means the task pays those costs itself.
         let _ = exec.warm_up();
+        if let Some(key) = &preload {
+            exec.preload(key);
+        }
         Some(exec)
     });
     let mut stdin = std::io::stdin().lock();
@@ -262,6 +268,7 @@ pub(crate) fn run_in_worker(
         SandboxError::Setup(format!("output dir {}: {e}", spec.output_dir.display()))
     })?;
     let line = request_line(cache_dir, task, &spec)?;
+    pool.preload_for_next(super::worker_cache_key(task));
     let child = pool.take().map_err(|e| {
         SandboxError::Setup(format!(
             "cannot start the sandbox worker {}: {e}",
