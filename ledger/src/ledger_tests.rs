@@ -103,6 +103,40 @@ fn tamper(store: &Store, seq: u64, edit: impl FnOnce(&mut Entry)) {
 }
 
 #[tokio::test]
+async fn a_check_while_receipts_settle_is_clean_and_an_entry_past_the_head_is_not() {
+    let store = Store::temporary().expect("store");
+    let (me, a) = (Keypair::generate_ed25519(), Keypair::generate_ed25519());
+    let (ledger, _stop) = open(&store, &me).await;
+    for lease in 1..=3u8 {
+        ledger.record(vec![settled(&me, &a, lease, 1_000)]).await;
+    }
+    // A check reads the head and accounts, then the writer appends two more entries
+    // before the check reaches the end of the chain.
+    let (head, accounts) = (ledger.head(), ledger.accounts());
+    for lease in 4..=5u8 {
+        ledger.record(vec![settled(&me, &a, lease, 1_000)]).await;
+    }
+    let report = ledger.verify_up_to(&head, &accounts).expect("verify");
+    assert_eq!(report.first_bad, None, "{report:?}");
+    assert_eq!(report.entries, 3);
+    assert_eq!(ledger.verify().expect("verify").entries, 5);
+    // An entry written past the head by someone else is found.
+    let bytes = store
+        .get(TREE, &entry_key(5))
+        .expect("get")
+        .expect("entry 5");
+    let mut forged = Entry::decode(&bytes).expect("decode");
+    forged.seq = 6;
+    store
+        .put(TREE, &entry_key(6), &encoding::encode(&forged))
+        .expect("put");
+    let bad = ledger.verify().expect("verify").first_bad.expect("found");
+    assert_eq!(bad.seq, 6, "{bad:?}");
+    let early = ledger.verify_up_to(&head, &accounts).expect("verify");
+    assert_eq!(early.first_bad.map(|b| b.seq), Some(6));
+}
+
+#[tokio::test]
 async fn verify_names_the_first_bad_entry() {
     let (me, a) = (Keypair::generate_ed25519(), Keypair::generate_ed25519());
     let fresh = || async {

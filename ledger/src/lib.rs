@@ -184,7 +184,12 @@ pub struct Ledger {
     store: Store,
     local: PeerId,
     keypair: Keypair,
+    /// The head and balances as last made durable. Read on the node's event loop (credit
+    /// checks), so never held across a write to the store.
     state: Mutex<State>,
+    /// Held by a commit from start to end (write and publish), and by a check that must
+    /// see no commit half done.
+    writing: Mutex<()>,
     writes: mpsc::Sender<Write>,
     /// Bumped after every committed batch.
     committed: watch::Sender<u64>,
@@ -249,6 +254,7 @@ impl Ledger {
             local,
             keypair,
             state: Mutex::new(State { head, accounts }),
+            writing: Mutex::new(()),
             writes: tx,
             committed: watch::channel(0).0,
         });
@@ -399,17 +405,58 @@ impl Ledger {
             let s = self.state();
             (s.head.clone(), s.accounts.clone())
         };
-        let entries = self.store.iter_prefix(TREE, b"e")?;
-        Ok(chain::verify(&self.local, entries, &head, &accounts))
+        self.verify_up_to(&head, &accounts)
+    }
+
+    /// Checks the chain up to `head` against `accounts` (both read together), then that
+    /// no entry lies past the ledger's current head. Settlement goes on while a check
+    /// runs: entries the writer appends after `head` was read are left to the next
+    /// check, not taken for entries added outside the node. Reading the current head
+    /// waits for a commit in flight, so an entry past it was not written by the node.
+    fn verify_up_to(
+        &self,
+        head: &ChainHead,
+        accounts: &HashMap<PeerId, PeerAccount>,
+    ) -> Result<VerifyReport, LedgerError> {
+        let end = entry_key(head.seq.saturating_add(1));
+        let entries = self
+            .store
+            .iter_prefix(TREE, b"e")?
+            .take_while(move |e| e.as_ref().map_or(true, |(key, _)| *key < end));
+        let mut report = chain::verify(&self.local, entries, head, accounts);
+        if report.first_bad.is_none() {
+            let _no_commit_half_done = self.writing.lock().unwrap_or_else(|p| p.into_inner());
+            let current = self.state().head.seq;
+            let past = entry_key(current.saturating_add(1));
+            if let Some(first) = self.store.iter_prefix_from(TREE, b"e", &past)?.next() {
+                let (key, _) = first?;
+                let seq = key
+                    .get(1..9)
+                    .and_then(|b| <[u8; 8]>::try_from(b).ok())
+                    .map_or(current.saturating_add(1), u64::from_be_bytes);
+                report.first_bad = Some(chain::BadEntry {
+                    seq,
+                    reason: format!(
+                        "entry {seq} lies past the signed head (entry {current}): it was added outside the node"
+                    ),
+                });
+            }
+        }
+        Ok(report)
     }
 
     /// Appends a batch: duplicates are answered from the index, the rest become new
     /// entries; all of it, the head and the balances go to the store in one atomic,
     /// flushed write.
     fn commit(&self, receipts: &[SettledReceipt]) -> Vec<Result<Recorded, LedgerError>> {
-        let mut state = self.state();
-        let mut head = state.head.clone();
-        let mut accounts = state.accounts.clone();
+        // Only the writer commits, one batch at a time, so the state read here is still
+        // the state when this batch is published; the state lock is not held across the
+        // durable write, which the event loop would otherwise wait out.
+        let _writing = self.writing.lock().unwrap_or_else(|p| p.into_inner());
+        let (mut head, mut accounts) = {
+            let state = self.state();
+            (state.head.clone(), state.accounts.clone())
+        };
         let mut touched = std::collections::HashSet::new();
         let mut in_batch: HashMap<LeaseId, (u64, &SettledReceipt)> = HashMap::new();
         let mut ops = Vec::new();
@@ -471,9 +518,11 @@ impl Ledger {
         if let Err(e) = self.store.apply_durable(TREE, ops) {
             return fail_new(results, e.into());
         }
-        state.head = head;
-        state.accounts = accounts;
-        drop(state);
+        {
+            let mut state = self.state();
+            state.head = head;
+            state.accounts = accounts;
+        }
         self.committed.send_modify(|n| *n += 1);
         results
     }
