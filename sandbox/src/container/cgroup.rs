@@ -178,16 +178,24 @@ impl JobCgroup {
 
     /// Kills every process in the groups; true when none is left.
     pub fn kill_all(&self) -> bool {
+        // Every group is swept, even after one that had processes.
         let mut empty = true;
-        for file in self.procs_files() {
-            let pids = std::fs::read_to_string(&file).unwrap_or_default();
-            for pid in pids.lines().filter_map(|l| l.trim().parse::<u32>().ok()) {
-                empty = false;
-                send(pid, Signal::Kill);
-            }
+        for dir in &self.dirs {
+            empty &= kill_members(dir);
         }
         empty
     }
+}
+
+/// Kills every process in the group at `dir`; true when it had none.
+fn kill_members(dir: &Path) -> bool {
+    let pids = std::fs::read_to_string(dir.join("cgroup.procs")).unwrap_or_default();
+    let mut empty = true;
+    for pid in pids.lines().filter_map(|l| l.trim().parse::<u32>().ok()) {
+        empty = false;
+        send(pid, Signal::Kill);
+    }
+    empty
 }
 
 impl Drop for JobCgroup {
@@ -226,10 +234,7 @@ fn remove_when_empty(mut dirs: Vec<PathBuf>) {
     while !dirs.is_empty() && std::time::Instant::now() < until {
         std::thread::sleep(std::time::Duration::from_millis(100));
         dirs.retain(|dir| {
-            let procs = std::fs::read_to_string(dir.join("cgroup.procs")).unwrap_or_default();
-            for pid in procs.lines().filter_map(|l| l.trim().parse::<u32>().ok()) {
-                send(pid, Signal::Kill);
-            }
+            kill_members(dir);
             std::fs::remove_dir(dir).is_err()
         });
     }
