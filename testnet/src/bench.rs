@@ -144,6 +144,15 @@ pub async fn discovery(n: usize, lookups: usize) -> Result<DiscoveryReport> {
         requests.push(search.dht_requests);
         if search.offers.len() == expected[m] {
             complete += 1;
+        } else {
+            eprintln!(
+                "lookup {j} incomplete: {} of {} {} offers, {} provider records, {} DHT requests",
+                search.offers.len(),
+                expected[m],
+                BENCH_MODELS[m],
+                search.providers,
+                search.dht_requests
+            );
         }
     }
     if times.is_empty() {
@@ -188,10 +197,20 @@ fn model_filter(m: usize) -> OfferFilter {
 /// not, prints what each of them reports and fails.
 async fn wait_until_visible(net: &TestNet, client: &TestNode, m: usize, want: usize) -> Result<()> {
     let deadline = Instant::now() + Duration::from_secs(120);
+    let mut report_at = Instant::now() + Duration::from_secs(10);
     loop {
         let s = client.handle.search_offers(model_filter(m)).await?;
         if s.offers.len() >= want {
             return Ok(());
+        }
+        if Instant::now() > report_at {
+            report_at = Instant::now() + Duration::from_secs(10);
+            eprintln!(
+                "{}: {} of {want} visible, {} provider records found",
+                BENCH_MODELS[m],
+                s.offers.len(),
+                s.providers
+            );
         }
         if Instant::now() > deadline {
             for (i, node) in net.nodes.iter().enumerate() {

@@ -449,6 +449,10 @@ impl EventLoop {
         views
     }
 
+    fn estimate_network_size(&mut self) -> f64 {
+        publish::estimate_network_size(&mut self.swarm.behaviour_mut().kad, self.local_peer)
+    }
+
     fn routing_table_size(&mut self) -> usize {
         self.swarm
             .behaviour_mut()

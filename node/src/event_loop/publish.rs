@@ -9,6 +9,14 @@
 //! walk that times out here still yields the closest peers it reached, and the advert
 //! is stored there. The peers that took it are known by name ([`OwnAdvert::holders`]),
 //! so the count shown is exact and a withdrawal goes straight to them.
+//!
+//! A publication is one round: the advert's walk and store, and one provider walk per
+//! capability key. A round ends when all of them have; only then is it judged (too few
+//! copies: again after a backoff; the network grown by half since: again soon), so a
+//! forming network, where every walk is slow, does not pile new rounds on running ones.
+//! Every walk of ours is cut short after [`WALK_DEADLINE`], once enough peers have
+//! answered, and stores at the closest of them. "Grown" is by an estimate of the
+//! network's size from our own neighbourhood ([`estimate_network_size`]).
 
 use std::time::Duration;
 
@@ -17,7 +25,10 @@ use gpunode_protocol::advert::{advert_record_key, capability_keys, Advert};
 use gpunode_protocol::gpu::GpuState;
 use gpunode_protocol::time::now_ms;
 use libp2p::kad::store::RecordStore;
-use libp2p::kad::{self, PeerInfo, QueryId, Quorum, Record, RecordKey};
+use libp2p::kad::{
+    self, AddProviderPhase, KBucketDistance, KBucketKey, PeerInfo, QueryId, QueryInfo, Quorum,
+    Record, RecordKey,
+};
 use libp2p::PeerId;
 use tokio::time::Instant;
 
@@ -31,6 +42,20 @@ use crate::views::AdvertStatus;
 const WITHDRAW_TIMEOUT: Duration = Duration::from_secs(2);
 /// Kademlia's replication factor: below this many stored copies we re-publish on new peers.
 const REPLICATION: usize = 20;
+/// How long a walk of a publication may look for closer peers before it stores at the
+/// closest that answered, once [`REPLICATION`] have. On a forming network slow peers make
+/// walks last until Kademlia's query timeout; the closest peers are found long before.
+const WALK_DEADLINE: Duration = Duration::from_secs(10);
+/// Below this many copies of any record (or every peer we know, if fewer) a round is
+/// under-replicated and runs again. Half of [`REPLICATION`]: a lookup finds a record at
+/// any one of them, and asking for all 20 made a loaded network re-publish for every
+/// slow peer, which loaded it more.
+const MIN_COPIES: usize = REPLICATION / 2;
+/// How much the network must have grown, beyond [`REPLICATION`] peers, for a new round.
+const GROWTH_FACTOR: f64 = 1.5;
+/// How long after the network has grown we publish again, so that a burst of
+/// new peers leads to one round.
+pub(super) const GROWTH_DELAY: Duration = Duration::from_millis(300);
 
 /// Our own advert: what it says and where it stands.
 pub(super) struct OwnAdvert {
@@ -39,17 +64,35 @@ pub(super) struct OwnAdvert {
     pub(super) record: Option<Vec<u8>>,
     pub(super) status: AdvertStatus,
     pub(super) provided: Vec<Vec<u8>>,
-    pub(super) published_at_table_size: usize,
+    /// The network's size as we estimated it at our last publication.
+    pub(super) published_at_network_size: f64,
     pub(super) retry_backoff: Duration,
     pub(super) needs_new: bool,
     pub(super) publish_at: Option<Instant>,
     pub(super) refresh_at: Instant,
     /// The walk to the closest peers of our advert key, while it runs.
-    walk: Option<QueryId>,
+    walk: Option<Walk>,
     /// The store of our advert at the peers the walk found, while it runs.
     put: Option<PendingPut>,
     /// The peers that took our latest advert.
     holders: Vec<PeerId>,
+    /// The provider records of this round still being published, one per key.
+    provides: Vec<PendingProvide>,
+    /// The fewest copies any part of this round has stored so far.
+    round_stored: Option<usize>,
+}
+
+/// A walk of ours, cut short at its deadline.
+#[derive(Clone, Copy)]
+struct Walk {
+    query: QueryId,
+    started: Instant,
+}
+
+/// A provider record being published.
+struct PendingProvide {
+    walk: Walk,
+    key: Vec<u8>,
 }
 
 /// A store of our advert at fixed peers.
@@ -81,7 +124,7 @@ impl OwnAdvert {
                 ..AdvertStatus::default()
             },
             provided: Vec::new(),
-            published_at_table_size: 0,
+            published_at_network_size: 0.0,
             retry_backoff: Duration::ZERO,
             needs_new: true,
             publish_at: Some(Instant::now() + Duration::from_millis(50)),
@@ -89,12 +132,40 @@ impl OwnAdvert {
             walk: None,
             put: None,
             holders: Vec::new(),
+            provides: Vec::new(),
+            round_stored: None,
         }
     }
 
     /// Whether a publication of our advert is still under way.
     fn publishing(&self) -> bool {
         self.walk.is_some() || self.put.is_some()
+    }
+
+    /// Whether any part of a publication round is still under way.
+    pub(super) fn in_round(&self) -> bool {
+        self.publishing() || !self.provides.is_empty()
+    }
+
+    /// One part of the round stored `stored` copies.
+    fn part_stored(&mut self, stored: usize) {
+        self.round_stored = Some(self.round_stored.map_or(stored, |s| s.min(stored)));
+    }
+
+    /// Whether the network has grown enough since our last publication (by
+    /// [`estimate_network_size`]) that peers closest to our keys may hold nothing: in a
+    /// network of fewer than [`REPLICATION`] peers every peer should hold our records, so
+    /// any growth; beyond that, by half (about a third of the closest peers new: a lookup
+    /// that stops once three of them agree still meets our records; after a doubling,
+    /// half of them new, one in eight such lookups missed a record at 200 nodes).
+    pub(super) fn outgrown(&self, network_size: f64) -> bool {
+        let base = self.published_at_network_size;
+        self.status.seq > 0
+            && if base < REPLICATION as f64 {
+                network_size > base
+            } else {
+                network_size >= GROWTH_FACTOR * base
+            }
     }
 }
 
@@ -113,6 +184,42 @@ impl EventLoop {
                 self.publish(false);
             }
         }
+        self.cut_short_slow_walks(now);
+    }
+
+    /// Ends the walks of our publication that have run past [`WALK_DEADLINE`]: each
+    /// goes on to store at the closest peers that answered.
+    fn cut_short_slow_walks(&mut self, now: Instant) {
+        let Some(own) = &self.own else {
+            return;
+        };
+        let due = |w: &Walk| now.duration_since(w.started) >= WALK_DEADLINE;
+        let mut slow: Vec<QueryId> = own
+            .provides
+            .iter()
+            .filter(|p| due(&p.walk))
+            .map(|p| p.walk.query)
+            .collect();
+        slow.extend(own.walk.filter(due).map(|w| w.query));
+        let kad = &mut self.swarm.behaviour_mut().kad;
+        for id in slow {
+            if let Some(mut query) = kad.query_mut(&id) {
+                if (query.stats().num_successes() as usize) < REPLICATION {
+                    continue;
+                }
+                // A provider query past its walk is sending its records: leave it be.
+                let walking = !matches!(
+                    query.info(),
+                    QueryInfo::AddProvider {
+                        phase: AddProviderPhase::AddProvider { .. },
+                        ..
+                    }
+                );
+                if walking {
+                    query.finish();
+                }
+            }
+        }
     }
 
     pub(super) fn schedule_publish(&mut self, after: Duration, new_advert: bool) {
@@ -125,21 +232,26 @@ impl EventLoop {
 
     /// Signs a new advert if needed, stores it in the DHT and provides its capability
     /// keys. A withdrawal goes straight to the peers that hold our advert, where any do;
-    /// anything else starts with a walk to the closest peers of the advert key.
+    /// anything else starts with a walk to the closest peers of the advert key. While a
+    /// round runs, only a new advert starts anything (its own walk, and the provider
+    /// records of keys not being published already); the round's end judges the rest.
     pub(super) fn publish(&mut self, withdrawn: bool) {
         let Some(own) = self.own.as_ref() else {
             return;
         };
-        if (own.needs_new || withdrawn || own.record.is_none())
-            && self.sign_new_advert(withdrawn).is_none()
-        {
+        let new_advert = own.needs_new || withdrawn || own.record.is_none();
+        if !new_advert && own.in_round() {
             return;
         }
-        let table_size = self.routing_table_size();
+        if new_advert && self.sign_new_advert(withdrawn).is_none() {
+            return;
+        }
+        let network_size = self.estimate_network_size();
         let Some(own) = self.own.as_mut() else {
             return;
         };
-        own.published_at_table_size = table_size;
+        own.published_at_network_size = network_size;
+        tracing::debug!(network_size, new_advert, withdrawn, "publishing our advert");
         let Some(record) = self.own_record() else {
             return;
         };
@@ -150,11 +262,24 @@ impl EventLoop {
         let Some(own) = self.own.as_mut() else {
             return;
         };
+        if !own.in_round() {
+            own.round_stored = None;
+        }
+        // A new advert replaces the one a running walk or store carries.
+        if let Some(old) = own.walk.take() {
+            if let Some(mut q) = kad.query_mut(&old.query) {
+                q.finish();
+            }
+        }
+        own.put = None;
         if withdrawn && !own.holders.is_empty() {
             own.walk = None;
             own.put = Some(PendingPut::start(kad, record, own.holders.clone()));
         } else {
-            own.walk = Some(kad.get_closest_peers(record.key.to_vec()));
+            own.walk = Some(Walk {
+                query: kad.get_closest_peers(record.key.to_vec()),
+                started: Instant::now(),
+            });
         }
         self.provide_capability_keys(withdrawn);
     }
@@ -162,7 +287,7 @@ impl EventLoop {
     /// The walk to the closest peers of our advert key ended, done or out of time, with
     /// `peers`: store the advert at them.
     pub(super) fn on_closest_peers(&mut self, query: QueryId, peers: Vec<PeerInfo>) {
-        if self.own.as_ref().and_then(|o| o.walk) != Some(query) {
+        if self.own.as_ref().and_then(|o| o.walk).map(|w| w.query) != Some(query) {
             return;
         }
         let record = self.own_record();
@@ -177,7 +302,8 @@ impl EventLoop {
             .collect();
         let Some(record) = record.filter(|_| !peers.is_empty()) else {
             own.status.stored_at_peers = 0;
-            self.retry_if_under_replicated(0);
+            own.part_stored(0);
+            self.end_round_if_done();
             return;
         };
         let kad = &mut self.swarm.behaviour_mut().kad;
@@ -196,7 +322,21 @@ impl EventLoop {
         own.holders = stored.unwrap_or(put.peers);
         let stored = own.holders.len();
         own.status.stored_at_peers = stored;
-        self.retry_if_under_replicated(stored);
+        own.part_stored(stored);
+        self.end_round_if_done();
+    }
+
+    /// A provider record of ours was published (`stored` copies) or gave up.
+    pub(super) fn on_provided(&mut self, query: QueryId, stored: usize) {
+        let Some(own) = self.own.as_mut() else {
+            return;
+        };
+        let Some(i) = own.provides.iter().position(|p| p.walk.query == query) else {
+            return;
+        };
+        own.provides.swap_remove(i);
+        own.part_stored(stored);
+        self.end_round_if_done();
     }
 
     /// Signs a new advert of the inventory (idle GPUs under a lease shown as leased) and
@@ -289,9 +429,20 @@ impl EventLoop {
         for old in own.provided.iter().filter(|k| !keys.contains(k)) {
             kad.stop_providing(&RecordKey::new(old));
         }
+        own.provides.retain(|p| keys.contains(&p.key));
         for k in &keys {
-            if let Err(e) = kad.start_providing(RecordKey::new(k)) {
-                tracing::warn!("cannot provide capability key: {e:?}");
+            if own.provides.iter().any(|p| &p.key == k) {
+                continue;
+            }
+            match kad.start_providing(RecordKey::new(k)) {
+                Ok(query) => own.provides.push(PendingProvide {
+                    walk: Walk {
+                        query,
+                        started: Instant::now(),
+                    },
+                    key: k.clone(),
+                }),
+                Err(e) => tracing::warn!("cannot provide capability key: {e:?}"),
             }
         }
         own.provided = keys;
@@ -322,20 +473,112 @@ impl EventLoop {
         }
     }
 
-    /// Too few peers took our advert or provider record (peers busy, or the network
-    /// still forming): publish again, backing off up to a minute.
-    pub(super) fn retry_if_under_replicated(&mut self, stored: usize) {
+    /// Judges a round once every part of it has ended. Too few peers ([`MIN_COPIES`])
+    /// took our advert or a provider record (peers busy, or the network still forming):
+    /// publish again, backing off up to a minute. The network has grown by half since:
+    /// publish again soon, for the new peers closest to our keys.
+    fn end_round_if_done(&mut self) {
         let table = self.routing_table_size();
+        let network_size = self.estimate_network_size();
         let Some(own) = &mut self.own else {
             return;
         };
-        if stored < REPLICATION.min(table) {
+        if own.in_round() {
+            return;
+        }
+        // The round's walks went through the network as it is now; a node that has just
+        // joined knew a peer or two when it began, and the whole network by its end.
+        own.published_at_network_size = own.published_at_network_size.max(network_size);
+        let stored = own.round_stored.take().unwrap_or(0);
+        if stored < MIN_COPIES.min(table) {
+            tracing::debug!(stored, table, "publication under-replicated, again later");
             own.retry_backoff =
                 (own.retry_backoff * 2).clamp(Duration::from_secs(1), Duration::from_secs(60));
             let backoff = own.retry_backoff;
             self.schedule_publish(backoff, false);
         } else {
             own.retry_backoff = Duration::ZERO;
+            if own.outgrown(network_size) {
+                self.schedule_publish(GROWTH_DELAY, false);
+            }
+        }
+    }
+}
+
+/// The network's size as seen from our own neighbourhood: with N peers spread evenly over
+/// the key space, the k-th closest to us lies about k/N of the space away, so
+/// N ≈ k · 2^256 / d_k. New peers near us find us (their first walk goes to their own
+/// key), so this follows the network's growth, which the routing table's size does not:
+/// its far buckets are full at 20 peers each, and it levels off near 90 at 200 nodes.
+/// With fewer than k peers known, the count itself.
+pub(super) fn estimate_network_size(kad: &mut kad::Behaviour<DhtStore>, local: PeerId) -> f64 {
+    let local = KBucketKey::from(local);
+    let mut known = 0usize;
+    let mut kth = None;
+    for peer in kad.get_closest_local_peers(&local).take(REPLICATION) {
+        known += 1;
+        kth = Some(peer);
+    }
+    match kth {
+        Some(peer) if known == REPLICATION => size_from_kth_distance(&local.distance(&peer)),
+        _ => known as f64,
+    }
+}
+
+/// N ≈ k · 2^256 / d_k, for the distance `d` to the k-th closest peer (k = [`REPLICATION`]).
+fn size_from_kth_distance(d: &KBucketDistance) -> f64 {
+    REPLICATION as f64 * (256.0 - log2(d)).exp2()
+}
+
+/// log2 of a Kademlia distance, with the fraction from its top 64 bits.
+fn log2(d: &KBucketDistance) -> f64 {
+    let Some(whole) = d.ilog2() else {
+        return 0.0;
+    };
+    let top = if whole >= 63 {
+        (d.0 >> (whole - 63) as usize).low_u64()
+    } else {
+        (d.0 << (63 - whole) as usize).low_u64()
+    };
+    f64::from(whole) + (top as f64 / (1u64 << 63) as f64).log2()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use libp2p::kad::U256;
+
+    #[test]
+    fn log2_of_a_distance_is_exact_on_powers_of_two_and_monotonic_between() {
+        let d = |v: U256| KBucketDistance(v);
+        assert_eq!(log2(&d(U256::from(1u64) << 200)), 200.0);
+        assert_eq!(log2(&d(U256::from(1u64))), 0.0);
+        assert_eq!(log2(&d(U256::from(8u64))), 3.0);
+        let three_halves = log2(&d(U256::from(3u64) << 199));
+        assert!((three_halves - (200.0 + 1.5f64.log2())).abs() < 1e-9);
+        assert!(log2(&d(U256::MAX)) <= 256.0 && log2(&d(U256::MAX)) > 255.99);
+    }
+
+    /// The estimate from the 20th closest of N peers lands near N, for networks larger
+    /// than the routing table could ever hold.
+    #[test]
+    fn the_network_size_estimate_follows_the_number_of_peers() {
+        for n in [100usize, 400, 3000] {
+            let mut logs = Vec::new();
+            for node in 0..8 {
+                let local = KBucketKey::new(format!("node {node}").into_bytes());
+                let mut distances: Vec<KBucketDistance> = (0..n)
+                    .map(|i| local.distance(&KBucketKey::new(format!("peer {i}").into_bytes())))
+                    .collect();
+                distances.sort();
+                logs.push(size_from_kth_distance(&distances[REPLICATION - 1]).log2());
+            }
+            let mean = logs.iter().sum::<f64>() / logs.len() as f64;
+            let estimate = mean.exp2();
+            assert!(
+                estimate > n as f64 / 1.5 && estimate < n as f64 * 1.5,
+                "{n} peers estimated as {estimate:.0}"
+            );
         }
     }
 }

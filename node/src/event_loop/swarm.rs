@@ -209,7 +209,7 @@ impl EventLoop {
                         Ok(_) => stats.num_successes() as usize,
                         Err(_) => 0,
                     };
-                    self.retry_if_under_replicated(stored);
+                    self.on_provided(id, stored);
                 }
                 _ => {}
             },
@@ -236,14 +236,15 @@ impl EventLoop {
                 }
                 let size = self.routing_table_size();
                 self.metrics.routing_table_peers.set(size as i64);
-                // Re-publish whenever the network has grown by a quarter since we last
-                // published: the peers closest to our keys may be new ones holding nothing.
-                let republish = self.own.as_ref().is_some_and(|o| {
-                    o.status.seq > 0
-                        && size > o.published_at_table_size + o.published_at_table_size / 4
-                });
+                // Re-publish whenever the network has grown by half since we last published
+                // (a round under way is judged when it ends).
+                let network_size = self.estimate_network_size();
+                let republish = self
+                    .own
+                    .as_ref()
+                    .is_some_and(|o| o.outgrown(network_size) && !o.in_round());
                 if is_new_peer && republish {
-                    self.schedule_publish(Duration::from_millis(300), false);
+                    self.schedule_publish(super::publish::GROWTH_DELAY, false);
                 }
             }
             _ => {}
