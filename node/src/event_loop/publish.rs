@@ -478,14 +478,14 @@ impl EventLoop {
     /// publish again, backing off up to a minute. The network has grown by half since:
     /// publish again soon, for the new peers closest to our keys.
     fn end_round_if_done(&mut self) {
+        if self.own.as_ref().is_none_or(OwnAdvert::in_round) {
+            return;
+        }
         let table = self.routing_table_size();
         let network_size = self.estimate_network_size();
         let Some(own) = &mut self.own else {
             return;
         };
-        if own.in_round() {
-            return;
-        }
         // The round's walks went through the network as it is now; a node that has just
         // joined knew a peer or two when it began, and the whole network by its end.
         own.published_at_network_size = own.published_at_network_size.max(network_size);

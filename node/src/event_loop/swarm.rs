@@ -238,13 +238,12 @@ impl EventLoop {
                 self.metrics.routing_table_peers.set(size as i64);
                 // Re-publish whenever the network has grown by half since we last published
                 // (a round under way is judged when it ends).
-                let network_size = self.estimate_network_size();
-                let republish = self
-                    .own
-                    .as_ref()
-                    .is_some_and(|o| o.outgrown(network_size) && !o.in_round());
-                if is_new_peer && republish {
-                    self.schedule_publish(super::publish::GROWTH_DELAY, false);
+                let idle = self.own.as_ref().is_some_and(|o| !o.in_round());
+                if is_new_peer && idle {
+                    let network_size = self.estimate_network_size();
+                    if self.own.as_ref().is_some_and(|o| o.outgrown(network_size)) {
+                        self.schedule_publish(super::publish::GROWTH_DELAY, false);
+                    }
                 }
             }
             _ => {}
