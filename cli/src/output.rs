@@ -176,11 +176,12 @@ pub fn print_status(out: &mut impl Write, s: &NodeStatus) -> io::Result<()> {
         let now = now_ms();
         writeln!(
             out,
-            "Advert:         seq {}, issued {} ago, expires in {}, stored at {} peers",
+            "Advert:         seq {}, issued {} ago, expires in {}, stored at {} peers{}",
             a.seq,
             format_age(Duration::from_millis(now.saturating_sub(a.issued_at_ms))),
             format_age(Duration::from_millis(a.expires_at_ms.saturating_sub(now))),
-            a.stored_at_peers
+            a.stored_at_peers,
+            if a.publishing { " (publishing)" } else { "" }
         )?;
     }
     let inv = &s.inventory;

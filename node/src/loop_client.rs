@@ -83,11 +83,12 @@ pub(crate) enum Command {
     KnownProviders(oneshot::Sender<Vec<crate::views::ProviderView>>),
     /// The requests waiting in this provider's queue, in serving order.
     ProviderQueue(oneshot::Sender<Vec<crate::overview::QueuedRequestView>>),
-    /// The price (millicredits per GPU-hour) in the peer's newest verified advert this
-    /// node holds, without asking the DHT.
-    KnownPrice {
+    /// Whether this node has a connection to `peer` now, and the price (millicredits
+    /// per GPU-hour) in the peer's newest verified advert it holds, without asking the
+    /// DHT: what a lease with a named provider needs, in one visit to the loop.
+    Reach {
         peer: PeerId,
-        reply: oneshot::Sender<Option<u64>>,
+        reply: oneshot::Sender<(bool, Option<u64>)>,
     },
 }
 
@@ -130,9 +131,10 @@ impl LoopClient {
         self.ask(|reply| Command::PathTo { peer, reply }).await
     }
 
-    /// The price in `peer`'s newest verified advert this node holds.
-    pub async fn known_price(&self, peer: PeerId) -> Result<Option<u64>, NodeError> {
-        self.ask(|reply| Command::KnownPrice { peer, reply }).await
+    /// Whether this node has a connection to `peer` now, and the price in `peer`'s
+    /// newest verified advert this node holds.
+    pub async fn reach(&self, peer: PeerId) -> Result<(bool, Option<u64>), NodeError> {
+        self.ask(|reply| Command::Reach { peer, reply }).await
     }
 
     /// Every provider whose verified advert this node holds (no lookup).

@@ -31,6 +31,11 @@ pub const KAD_PROTOCOL: StreamProtocol = StreamProtocol::new("/gpunode/kad/1.0.0
 pub const IDENTIFY_PROTOCOL_VERSION: &str = "/gpunode/1.0.0";
 /// How long one Kademlia query may run in all (walk and store).
 const KAD_QUERY_TIMEOUT: Duration = Duration::from_secs(30);
+/// How often each connection is pinged (its first ping goes out on connect). The RTT
+/// only ranks offers and shows in `status`; QUIC's own keep-alive keeps a connection up.
+/// libp2p's default, 15 s, made pings the largest idle load of a 200-node test network
+/// (about 5,300 ping streams a second over its 40,000 connections).
+const PING_EVERY: Duration = Duration::from_secs(60);
 
 /// Why the swarm could not be built.
 #[derive(Debug, thiserror::Error)]
@@ -286,7 +291,7 @@ fn behaviour(
         allow: Toggle::from(allow),
         kad,
         identify,
-        ping: ping::Behaviour::default(),
+        ping: ping::Behaviour::new(ping::Config::new().with_interval(PING_EVERY)),
         mdns: Toggle::from(mdns),
         lease,
         advert: crate::adverts::fetch::behaviour(),

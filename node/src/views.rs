@@ -99,6 +99,10 @@ pub struct AdvertStatus {
     pub stored_at_peers: usize,
     /// Capability keys the node provides under.
     pub capability_keys: Vec<String>,
+    /// A publication round is under way or due (the advert or its provider records are
+    /// being stored, or stored too few copies and will be again shortly).
+    #[serde(default)]
+    pub publishing: bool,
 }
 
 /// Everything `gpunode status` shows.

@@ -55,6 +55,9 @@ pub struct DiscoveryReport {
     pub nodes_started_s: f64,
     /// Seconds from start until every model's providers were all visible to the client.
     pub startup_s: f64,
+    /// Seconds from start until no node had a publication round running or due: the
+    /// network is formed, and the lookups are measured from then on.
+    pub formed_s: f64,
 }
 
 /// Mean number of peers each node of `net` has a connection open to.
@@ -133,6 +136,8 @@ pub async fn discovery(n: usize, lookups: usize) -> Result<DiscoveryReport> {
     let rss_per_node = (rss_bytes().saturating_sub(rss_before)) as f64 / n as f64;
     let connections_per_node = mean_connections(&net).await?;
 
+    let formed_s = wait_until_quiet(&net, started).await?;
+    eprintln!("no publication round running or due after {formed_s:.1} s");
     let mut times = Vec::with_capacity(lookups);
     let mut requests = Vec::with_capacity(lookups);
     let mut complete = 0usize;
@@ -179,6 +184,7 @@ pub async fn discovery(n: usize, lookups: usize) -> Result<DiscoveryReport> {
         idle_connections_per_node,
         nodes_started_s,
         startup_s,
+        formed_s,
     };
     net.shutdown().await;
     Ok(report)
@@ -190,6 +196,27 @@ fn model_filter(m: usize) -> OfferFilter {
         gpu_model: Some(BENCH_MODELS[m].to_string()),
         gpu_slice: None,
         ..OfferFilter::default()
+    }
+}
+
+/// Waits (up to 120 s) until no node of `net` has a publication round running or due;
+/// the seconds since `net` started, or an error naming the nodes still publishing.
+async fn wait_until_quiet(net: &TestNet, started: Instant) -> Result<f64> {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let mut publishing = Vec::new();
+        for (i, node) in net.nodes.iter().enumerate() {
+            if node.handle.status().await?.advert.publishing {
+                publishing.push(i);
+            }
+        }
+        if publishing.is_empty() {
+            return Ok(started.elapsed().as_secs_f64());
+        }
+        if Instant::now() > deadline {
+            bail!("nodes {publishing:?} still publishing 120 s after every advert was visible");
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
     }
 }
 

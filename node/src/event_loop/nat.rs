@@ -188,7 +188,7 @@ impl EventLoop {
         let Some(link) = self.connections.get(peer) else {
             return;
         };
-        if link.conns.iter().all(|(_, a)| is_relayed(a)) {
+        if link.all_relayed() {
             return;
         }
         let at = Instant::now() + RELAYED_CLOSE_GRACE;
@@ -204,7 +204,7 @@ impl EventLoop {
         let mixed: Vec<PeerId> = self
             .connections
             .iter()
-            .filter(|(_, l)| l.conns.iter().any(|(_, a)| is_relayed(a)))
+            .filter(|(_, l)| l.any_relayed() && !l.all_relayed())
             .map(|(p, _)| *p)
             .collect();
         for peer in mixed {

@@ -71,8 +71,7 @@ impl EventLoop {
                 self.connections
                     .entry(peer_id)
                     .or_default()
-                    .conns
-                    .push((connection_id, address));
+                    .add(connection_id, address);
                 self.retire_relayed(&peer_id);
                 self.unreachable.reached(&peer_id);
                 self.connection_count.opened();
@@ -96,7 +95,7 @@ impl EventLoop {
                     self.relays.forget(&peer_id);
                     self.nat.on_relay_lost(&peer_id);
                 } else if let Some(link) = self.connections.get_mut(&peer_id) {
-                    link.conns.retain(|(id, _)| *id != connection_id);
+                    link.remove(connection_id);
                 }
                 self.relays.forget_connection(connection_id);
                 self.metrics

@@ -256,5 +256,31 @@ async fn a_provider_counts_the_peers_that_hold_its_advert() {
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+    // Once every advert is stored the rounds end: `status` stops saying "publishing"
+    // (the discovery bench waits for this before it times lookups).
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let mut publishing = Vec::new();
+        for (i, node) in net.nodes.iter().enumerate() {
+            if node
+                .handle
+                .status()
+                .await
+                .expect("status")
+                .advert
+                .publishing
+            {
+                publishing.push(i);
+            }
+        }
+        if publishing.is_empty() {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "nodes {publishing:?} still publishing 30 s after every advert was stored"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     net.shutdown().await;
 }

@@ -39,8 +39,7 @@ impl Negotiator {
     /// (millicredits per GPU-hour), when its advert is known. A connected peer whose
     /// advert this node already verified costs no DHT request.
     async fn target_of(&self, peer: PeerId) -> (Vec<Multiaddr>, Option<u64>) {
-        let connected = matches!(self.client.is_connected(peer).await, Ok(true));
-        let known = self.client.known_price(peer).await.ok().flatten();
+        let (connected, known) = self.client.reach(peer).await.unwrap_or((false, None));
         if connected && known.is_some() {
             return (Vec::new(), known);
         }
