@@ -89,6 +89,16 @@ struct Walk {
     started: Instant,
 }
 
+impl Walk {
+    /// The walk of `query`, started now.
+    fn now(query: QueryId) -> Walk {
+        Walk {
+            query,
+            started: Instant::now(),
+        }
+    }
+}
+
 /// A provider record being published.
 struct PendingProvide {
     walk: Walk,
@@ -276,10 +286,7 @@ impl EventLoop {
             own.walk = None;
             own.put = Some(PendingPut::start(kad, record, own.holders.clone()));
         } else {
-            own.walk = Some(Walk {
-                query: kad.get_closest_peers(record.key.to_vec()),
-                started: Instant::now(),
-            });
+            own.walk = Some(Walk::now(kad.get_closest_peers(record.key.to_vec())));
         }
         self.provide_capability_keys(withdrawn);
     }
@@ -436,10 +443,7 @@ impl EventLoop {
             }
             match kad.start_providing(RecordKey::new(k)) {
                 Ok(query) => own.provides.push(PendingProvide {
-                    walk: Walk {
-                        query,
-                        started: Instant::now(),
-                    },
+                    walk: Walk::now(query),
                     key: k.clone(),
                 }),
                 Err(e) => tracing::warn!("cannot provide capability key: {e:?}"),
