@@ -1,6 +1,6 @@
 //! Worker processes started ahead of need (`WasmExecutor::keep_workers_ready`): tasks
 //! run on them with every limit still enforced, each task gets a process of its own that
-//! is gone after it, the pool refills, a ready worker killed from outside is skipped,
+//! is gone after it, the pool refills (also while a long task runs), a ready worker killed from outside is skipped,
 //! and stopping the pool leaves no process behind.
 //!
 //! One test in its own binary: it counts this process's worker children in `/proc`.
@@ -73,6 +73,16 @@ fn wait_until(what: &str, cond: impl Fn() -> bool) {
 }
 
 fn run(exec: &WasmExecutor, wat: &str, limits: Limits) -> (Outcome, Vec<u8>) {
+    run_until(exec, wat, limits, CancelToken::new())
+}
+
+/// Like [`run`], stopped when `cancel` is.
+fn run_until(
+    exec: &WasmExecutor,
+    wat: &str,
+    limits: Limits,
+    cancel: CancelToken,
+) -> (Outcome, Vec<u8>) {
     let task = exec
         .compile(wat.as_bytes(), limits.fuel.is_some())
         .expect("compiles");
@@ -90,7 +100,7 @@ fn run(exec: &WasmExecutor, wat: &str, limits: Limits) -> (Outcome, Vec<u8>) {
                 limits,
                 stdout: Box::new(move |b| sink.lock().expect("lock").extend_from_slice(b)),
                 stderr: Box::new(|_| {}),
-                cancel: CancelToken::new(),
+                cancel,
             },
         )
         .expect("runs");
@@ -136,6 +146,25 @@ fn ready_workers_run_one_task_each_under_every_limit_and_leave_nothing_behind() 
         run(&exec, SPIN, limits(10_000, Some(1_000_000))).0,
         Outcome::OutOfFuel
     );
+
+    // A long task does not hold its replacement back for long: the pool refills while
+    // it runs.
+    wait_until("two workers are ready before the long task", || {
+        exec.workers_ready() == 2
+    });
+    let cancel = CancelToken::new();
+    let long = std::thread::scope(|scope| {
+        let running =
+            scope.spawn(|| run_until(&exec, SPIN, limits(120_000, None), cancel.clone()).0);
+        // Two ready and the one running the task.
+        wait_until("the pool refilled while the long task runs", || {
+            exec.workers_ready() == 2 && worker_children().len() == 3
+        });
+        assert!(!running.is_finished(), "the long task ended early");
+        cancel.cancel();
+        running.join().expect("joins")
+    });
+    assert_eq!(long, Outcome::Cancelled);
 
     // A ready worker killed from outside is not handed a task.
     wait_until("two workers are ready again", || {

@@ -7,7 +7,9 @@
 //! request on stdin. It has seen no task. Each task takes one worker and the worker exits
 //! with the task, so isolation is the same as with a worker started on demand: one
 //! process per task, never reused. A keeper thread refills the pool up to the size the node asks for (one per CPU
-//! slot) and reaps workers whose tasks have ended, so neither happens on a task's path.
+//! slot) and reaps workers whose tasks have ended, so neither happens on a task's path; a
+//! taken worker's replacement starts once a task has ended (or [`REFILL_HOLD`] later), so
+//! it does not compete with a short task for the CPU.
 //! A worker whose parent dies reads end-of-file and exits; the pool's drop kills the rest.
 
 use std::path::{Path, PathBuf};
@@ -24,6 +26,8 @@ pub const MAX_READY_WORKERS: usize = 16;
 
 /// How long a worker whose task has ended may take to exit before it is killed.
 const EXIT_GRACE: Duration = Duration::from_secs(5);
+/// Longest a taken worker's replacement waits for its task to end before it starts.
+const REFILL_HOLD: Duration = Duration::from_millis(20);
 /// How often the keeper looks at workers that are exiting.
 const REAP_EVERY: Duration = Duration::from_millis(5);
 
@@ -38,6 +42,10 @@ struct Shared {
     /// The cache key of the module the last task ran, which workers started from now on
     /// load while they wait (a task run again finds it in memory).
     preload: Option<String>,
+    /// A worker was taken for a task: the replacement starts when a task ends or at
+    /// this time, whichever is first, so that starting it (a process, an engine, a
+    /// warm-up run) does not take the CPU from a short task.
+    refill_held_until: Option<Instant>,
 }
 
 struct Inner {
@@ -118,6 +126,10 @@ impl WorkerPool {
         };
         match taken {
             Some(child) => {
+                self.inner
+                    .lock()
+                    .refill_held_until
+                    .get_or_insert(Instant::now() + REFILL_HOLD);
                 self.wake_keeper();
                 Ok(child)
             }
@@ -128,10 +140,17 @@ impl WorkerPool {
     /// A worker whose task has ended and that exits on its own: the keeper reaps it
     /// (and kills it if it has not exited within [`EXIT_GRACE`]).
     pub(crate) fn retire(&self, child: Child) {
-        self.inner
-            .lock()
-            .exiting
-            .push((child, Instant::now() + EXIT_GRACE));
+        let mut shared = self.inner.lock();
+        shared.exiting.push((child, Instant::now() + EXIT_GRACE));
+        shared.refill_held_until = None;
+        drop(shared);
+        self.wake_keeper();
+    }
+
+    /// A task taken from the pool has ended (its worker stopped or reaped by the
+    /// caller): the keeper may start replacements now.
+    pub(crate) fn task_ended(&self) {
+        self.inner.lock().refill_held_until = None;
         self.wake_keeper();
     }
 
@@ -204,7 +223,9 @@ impl Inner {
                     _ => false,
                 }
             });
-            if shared.ready.len() < shared.size {
+            let held = shared.refill_held_until.filter(|until| now < *until);
+            shared.refill_held_until = held;
+            if shared.ready.len() < shared.size && held.is_none() {
                 let preload = shared.preload.clone();
                 drop(shared);
                 let started = self.start(Some(preload));
@@ -222,13 +243,16 @@ impl Inner {
                 }
                 continue;
             }
-            shared = if shared.exiting.is_empty() {
-                self.wake.wait(shared).unwrap_or_else(|p| p.into_inner())
-            } else {
-                self.wake
-                    .wait_timeout(shared, REAP_EVERY)
-                    .unwrap_or_else(|p| p.into_inner())
-                    .0
+            let reap = (!shared.exiting.is_empty()).then_some(REAP_EVERY);
+            let refill = held.map(|until| until - now);
+            shared = match reap.into_iter().chain(refill).min() {
+                None => self.wake.wait(shared).unwrap_or_else(|p| p.into_inner()),
+                Some(wait) => {
+                    self.wake
+                        .wait_timeout(shared, wait)
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0
+                }
             };
         }
     }

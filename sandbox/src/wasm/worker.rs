@@ -292,6 +292,7 @@ pub(crate) fn run_in_worker(
     );
     if let Some(outcome) = stopped {
         worker.stop();
+        pool.task_ended();
         return Ok(outcome);
     }
     // The worker reported its outcome or closed its stdout; everything it wrote before
@@ -308,7 +309,9 @@ pub(crate) fn run_in_worker(
             &spec.output_dir,
         ));
     }
-    let (status, worker_errors) = worker.finish()?;
+    let finished = worker.finish();
+    pool.task_ended();
+    let (status, worker_errors) = finished?;
     Ok(final_outcome(
         reported,
         Some(status),
