@@ -17,6 +17,8 @@ use crate::router::framing;
 
 /// How long joining may take.
 const JOIN_TIMEOUT: Duration = Duration::from_secs(30);
+/// Longest a joiner waits for its connection to the inviter to close after the answer.
+const CLOSE_GRACE: Duration = Duration::from_secs(2);
 
 /// Joins the team of `token` with this node's `node_key`; saves and returns the state.
 pub async fn join(
@@ -100,7 +102,7 @@ async fn ask_inviter(
     tokio::pin!(exchange);
     let deadline = tokio::time::sleep(JOIN_TIMEOUT);
     tokio::pin!(deadline);
-    loop {
+    let reply = loop {
         tokio::select! {
             r = &mut exchange => break r,
             _ = swarm.select_next_some() => {}
@@ -111,7 +113,26 @@ async fn ask_inviter(
             )),
         }
     }
-    .map_err(TeamOpError::Invalid)
+    .map_err(TeamOpError::Invalid)?;
+    close_gracefully(&mut swarm, token.inviter).await;
+    Ok(reply)
+}
+
+/// Closes the connections to `peer` and drives `swarm` until they are closed (for
+/// [`CLOSE_GRACE`] at most), so that the end of the exchange and the close reach the
+/// peer before this process exits. The inviter lets a new member in once the joiner's
+/// side has closed; without this it would wait for its own timeout, and a node started
+/// right after joining would be turned away meanwhile.
+async fn close_gracefully(swarm: &mut Swarm<NodeBehaviour>, peer: PeerId) {
+    if swarm.disconnect_peer_id(peer).is_err() {
+        return;
+    }
+    let _ = tokio::time::timeout(CLOSE_GRACE, async {
+        while swarm.is_connected(&peer) {
+            swarm.select_next_some().await;
+        }
+    })
+    .await;
 }
 
 /// One join exchange with `inviter` over `protocol`: the request out, the reply in.

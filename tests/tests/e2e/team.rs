@@ -1,6 +1,6 @@
 //! Private teams across real `gpunode` processes: create, invite and join on three
-//! machines' worth of data dirs, run a task inside the team, list members; bad tokens
-//! get clear errors and change nothing.
+//! machines' worth of data dirs (and six more invited and joined back to back), run a
+//! task inside the team, list members; bad tokens get clear errors and change nothing.
 
 use std::time::Duration;
 
@@ -114,6 +114,17 @@ fn create_invite_join_and_run_inside_a_team() {
     let status: Value =
         serde_json::from_str(&ok(&gpunode(&b, &["status", "--json"]))).expect("json");
     assert_eq!(status["team"], team_id.as_str());
+
+    // Machines invited and joined back to back, as a script does: each join is answered
+    // while the next invite is made, and that invite must not be undone by the set of
+    // allowed peers worked out for the join before it.
+    for i in 0..6 {
+        let token = invite("1");
+        ok(&gpunode(
+            &tmp.path().join(format!("m{i}")),
+            &["team", "join", &token],
+        ));
+    }
 
     for p in [&mut pa, &mut pb, &mut pc] {
         p.stop(SIGINT, Duration::from_secs(10)).expect("stops");

@@ -107,8 +107,8 @@ impl TeamService {
         bootstrap: Vec<String>,
     ) -> Result<InviteToken, TeamOpError> {
         let (token, allowed) = self.team.invite(role, uses, expires_ms, bootstrap)?;
-        if let Some(a) = allowed {
-            self.link.client().set_team_allowed(a).await;
+        if allowed.is_some() {
+            self.team.publish_allowed(&self.link).await;
         }
         Ok(token)
     }
@@ -116,8 +116,8 @@ impl TeamService {
     /// Admits a known peer id without a token (admins only) and tells the members.
     pub async fn add(&self, peer: PeerId, role: Role) -> Result<(), TeamOpError> {
         let team = self.team.clone();
-        if let Some(a) = team.add(peer, role)? {
-            self.link.client().set_team_allowed(a).await;
+        if team.add(peer, role)?.is_some() {
+            self.team.publish_allowed(&self.link).await;
         }
         sync_with_members(&team, &self.link).await;
         Ok(())
@@ -135,8 +135,8 @@ impl TeamService {
     /// members as the revocation reaches them.
     pub async fn revoke(&self, peer: PeerId) -> Result<(), TeamOpError> {
         let team = self.team.clone();
-        if let Some(a) = team.revoke(peer)? {
-            self.link.client().set_team_allowed(a).await;
+        if team.revoke(peer)?.is_some() {
+            self.team.publish_allowed(&self.link).await;
         }
         sync_with_members(&team, &self.link).await;
         Ok(())

@@ -46,6 +46,28 @@ pub struct Team {
     /// handlers' membership check verifies no signature per message.
     members: Mutex<HashSet<PeerId>>,
     grants: super::policy::Grants,
+    /// Held while the allowed set is sent to the event loop (see [`Team::publish_allowed`]).
+    publishing: tokio::sync::Mutex<()>,
+    /// Join identities whose answer is on its way: still let in until the joiner has
+    /// read it, whatever is published meanwhile (at most one per live invite, as only
+    /// those identities can connect to join).
+    answering: Mutex<HashSet<PeerId>>,
+}
+
+/// Keeps a join identity let in while its answer is on its way; see [`Team::answering`].
+pub(crate) struct Answering<'a> {
+    team: &'a Team,
+    peer: PeerId,
+}
+
+impl Drop for Answering<'_> {
+    fn drop(&mut self) {
+        self.team
+            .answering
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&self.peer);
+    }
 }
 
 impl std::fmt::Debug for Team {
@@ -76,6 +98,8 @@ impl Team {
             members: Mutex::new(members),
             grants: super::policy::Grants::load(&grants_file(&data_dir)),
             data_dir,
+            publishing: tokio::sync::Mutex::new(()),
+            answering: Mutex::default(),
         })))
     }
 
@@ -104,6 +128,33 @@ impl Team {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone()
+    }
+
+    /// Tells the event loop who may connect: the set as it is when sent, one sender at a
+    /// time, so an older set never lands after a newer one. (A join's answer waits for
+    /// the joiner before its spent identity is dropped; an invite made meanwhile must
+    /// not be undone by the set computed before it.)
+    pub(crate) async fn publish_allowed(&self, link: &PeerLink) {
+        let _one_at_a_time = self.publishing.lock().await;
+        let mut peers = self.allowed();
+        peers.extend(
+            self.answering
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .iter()
+                .copied(),
+        );
+        link.client().set_team_allowed(peers).await;
+    }
+
+    /// Lets the join identity `peer` in, whatever is published, until the guard drops:
+    /// its answer is on its way.
+    pub(crate) fn answering(&self, peer: PeerId) -> Answering<'_> {
+        self.answering
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(peer);
+        Answering { team: self, peer }
     }
 
     /// Saves the state and recomputes who may connect; returns the new set if it changed.
@@ -295,7 +346,7 @@ impl Team {
 /// Runs the team's upkeep until `stop`: who may connect as certificates and invites
 /// expire, renewal of this member's certificate, sync with members, quota use saved.
 pub async fn run(team: Arc<Team>, link: PeerLink, mut stop: watch::Receiver<bool>) {
-    link.client().set_team_allowed(team.allowed()).await;
+    team.publish_allowed(&link).await;
     // A member that has just started learns what changed while it was away (members
     // who joined since, above all: until then it turns them away) as soon as it reaches
     // another member, not a round later.
@@ -317,8 +368,8 @@ pub async fn run(team: Arc<Team>, link: PeerLink, mut stop: watch::Receiver<bool
         tokio::select! {
             _ = every.tick() => {
                 team.save_grants();
-                if let Some(allowed) = team.tick() {
-                    link.client().set_team_allowed(allowed).await;
+                if team.tick().is_some() {
+                    team.publish_allowed(&link).await;
                 }
                 if team.needs_renewal(now_ms()) && !team.renew_self(now_ms()) {
                     let (t, n) = (team.clone(), link.clone());

@@ -174,6 +174,9 @@ impl Team {
 
 async fn serve_join(team: &Team, link: &PeerLink, peer: PeerId, stream: Stream) {
     let (mut r, mut w) = AsyncReadExt::split(stream);
+    // Whatever else changes the allowed set meanwhile (an invite made, a sync) must not
+    // drop this joiner before it has read its answer.
+    let answering = team.answering(peer);
     let (reply, allowed) = match framing::read_message::<_, JoinRequest>(&mut r).await {
         Ok(req) => team.answer_join(peer, req),
         Err(e) => (
@@ -190,8 +193,10 @@ async fn serve_join(team: &Team, link: &PeerLink, peer: PeerId, stream: Stream) 
     // closes its side, which it does once it has read the answer.
     let _ = tokio::time::timeout(EXCHANGE_TIMEOUT, until_closed(&mut r)).await;
     // Only now: a spent invite's join identity is dropped with this, after its answer.
-    if let Some(a) = allowed {
-        link.client().set_team_allowed(a).await;
+    drop(answering);
+    // Also when the set did not change here: one published meanwhile kept this peer in.
+    if allowed.is_some() || !team.allowed().contains(&peer) {
+        team.publish_allowed(link).await;
     }
     if matches!(reply, JoinReply::Admitted { .. }) {
         sync_with_members(team, link).await;
@@ -267,8 +272,8 @@ pub(super) async fn renew_from_admin(team: &Team, link: &PeerLink) {
                     None
                 }
             };
-            if let Some(a) = allowed {
-                link.client().set_team_allowed(a).await;
+            if allowed.is_some() {
+                team.publish_allowed(link).await;
             }
             return;
         }
@@ -284,8 +289,8 @@ async fn serve_sync(team: &Team, link: &PeerLink, peer: PeerId, stream: Stream) 
     }
     match framing::read_message::<_, TeamSync>(&mut r).await {
         Ok(sync) => {
-            if let Some(a) = team.merge(sync) {
-                link.client().set_team_allowed(a).await;
+            if team.merge(sync).is_some() {
+                team.publish_allowed(link).await;
             }
             let _ = framing::write_message(&mut w, &team.sync_msg()).await;
             let _ = w.flush().await;
@@ -321,8 +326,8 @@ pub(crate) async fn sync_with_members(team: &Team, link: &PeerLink) -> usize {
         };
         if let Ok(Some(reply)) = tokio::time::timeout(EXCHANGE_TIMEOUT, exchange).await {
             answered += 1;
-            if let Some(a) = team.merge(reply) {
-                link.client().set_team_allowed(a).await;
+            if team.merge(reply).is_some() {
+                team.publish_allowed(link).await;
             }
         }
     }
