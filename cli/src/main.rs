@@ -28,10 +28,12 @@ fn main() -> ExitCode {
     }
     gpunode_node::heap::limit_arenas();
     let cli = Cli::parse();
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    let mut builder = if talks_to_a_daemon(&cli) {
+        tokio::runtime::Builder::new_current_thread()
+    } else {
+        tokio::runtime::Builder::new_multi_thread()
+    };
+    let runtime = match builder.enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("error: cannot start the async runtime: {e}");
@@ -106,6 +108,25 @@ async fn dispatch(cli: Cli) -> Result<ExitCode> {
         Command::Peers(args) => cmd::ledger::peers(data_dir, config, args.json).await,
         Command::Team(team) => cmd::team::team(data_dir, team).await,
     }
+}
+
+/// Whether this command is a client of a running daemon: it then runs on one thread, so
+/// its calls to the daemon do not hop between threads (each hop a wake-up; about 0.8 ms
+/// of a `gpunode run`). The daemon itself, and a command that runs a node in this
+/// process because no daemon is running, get a thread per core: they serve peers and
+/// move data.
+fn talks_to_a_daemon(cli: &Cli) -> bool {
+    if matches!(cli.command, Command::Serve(_)) {
+        return false;
+    }
+    let data_dir = match &cli.data_dir {
+        Some(d) => DataDir::new(d),
+        None => match DataDir::default_location() {
+            Ok(d) => d,
+            Err(_) => return false,
+        },
+    };
+    data_dir.api_socket().exists()
 }
 
 fn is_broken_pipe(err: &anyhow::Error) -> bool {

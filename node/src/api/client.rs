@@ -1,9 +1,12 @@
-//! Client side of the local API: HTTP/1.1 over the daemon's Unix socket.
+//! Client side of the local API: HTTP/1.1 over the daemon's Unix socket, one
+//! connection kept open between calls (a command such as `gpunode run` makes several).
 
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
 use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
+use hyper::client::conn::http1::SendRequest;
 use hyper_util::rt::TokioIo;
 use serde::de::DeserializeOwned;
 use tokio::net::UnixStream;
@@ -30,10 +33,17 @@ pub enum ClientError {
     Decode(String),
 }
 
+/// A connection to the daemon, ready for its next request.
+type Connection = SendRequest<Full<Bytes>>;
+
 /// Talks to the daemon whose socket is at `socket`.
 #[derive(Debug, Clone)]
 pub struct ApiClient {
     socket: PathBuf,
+    /// The connection the last call finished with, for the next one. A call takes it
+    /// out while it runs, so calls at the same time (a job followed while its cancel is
+    /// sent) each get a connection of their own.
+    idle: Arc<Mutex<Option<Connection>>>,
 }
 
 impl ApiClient {
@@ -41,12 +51,47 @@ impl ApiClient {
     pub fn new(socket: &Path) -> ApiClient {
         ApiClient {
             socket: socket.to_path_buf(),
+            idle: Arc::default(),
         }
     }
 
-    /// Whether a daemon answers on the socket.
+    /// Whether a daemon answers on the socket (the connection is kept for the next
+    /// call).
     pub async fn is_running(&self) -> bool {
-        UnixStream::connect(&self.socket).await.is_ok()
+        match self.connection().await {
+            Ok(conn) => {
+                self.put_back(conn);
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
+    /// The idle connection if it is still open, or a new one.
+    async fn connection(&self) -> Result<Connection, ClientError> {
+        let idle = self.idle.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(mut conn) = idle {
+            if !conn.is_closed() && conn.ready().await.is_ok() {
+                return Ok(conn);
+            }
+        }
+        let stream = UnixStream::connect(&self.socket)
+            .await
+            .map_err(|_| ClientError::NotRunning(self.socket.clone()))?;
+        let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .map_err(|e| ClientError::Transport(e.to_string()))?;
+        // Drives the connection until the daemon closes it or the last sender is dropped.
+        tokio::spawn(conn);
+        Ok(sender)
+    }
+
+    /// Keeps `conn` for the next call, unless another call already put one back.
+    fn put_back(&self, conn: Connection) {
+        let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+        if idle.is_none() {
+            *idle = Some(conn);
+        }
     }
 
     /// `GET path`, returning the body text.
@@ -71,13 +116,7 @@ impl ApiClient {
         path_and_query: &str,
         body: Option<Vec<u8>>,
     ) -> Result<String, ClientError> {
-        let stream = UnixStream::connect(&self.socket)
-            .await
-            .map_err(|_| ClientError::NotRunning(self.socket.clone()))?;
-        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-            .await
-            .map_err(|e| ClientError::Transport(e.to_string()))?;
-        let conn_task = tokio::spawn(conn);
+        let mut sender = self.connection().await?;
         let request = hyper::Request::builder()
             .method(method)
             .uri(path_and_query)
@@ -96,7 +135,7 @@ impl ApiClient {
             .await
             .map_err(|e| ClientError::Transport(e.to_string()))?
             .to_bytes();
-        conn_task.abort();
+        self.put_back(sender);
         let text = String::from_utf8_lossy(&body).into_owned();
         if !status.is_success() {
             return Err(ClientError::Status {
