@@ -49,7 +49,8 @@ pub struct NodeConfig {
     /// Addresses to listen on (QUIC and TCP multiaddrs).
     #[serde(deserialize_with = "de_multiaddrs")]
     pub listen: Vec<Multiaddr>,
-    /// Peers to connect to at start, as multiaddrs (with `/p2p/PEER_ID` where known).
+    /// Peers to connect to at start, and again every 10 s while the node has no
+    /// connection, as multiaddrs (with `/p2p/PEER_ID` where known).
     #[serde(deserialize_with = "de_multiaddrs")]
     pub bootstrap: Vec<Multiaddr>,
     /// Find peers on the local network by mDNS.

@@ -62,7 +62,8 @@ impl Node {
         });
         let (stop_tasks, stop_rx) = watch::channel(false);
         let mut tasks = spawn_local_servers(&opts, &handle, &stop_rx).await?;
-        dial_bootstrap(config, team.as_ref(), &mut swarm);
+        let bootstrap = bootstrap_addrs(config, team.as_ref());
+        event_loop::dial_bootstrap(&mut swarm, &bootstrap);
         let State {
             keypair,
             store,
@@ -110,6 +111,7 @@ impl Node {
             ended_leases: ended_tx,
             team,
             kad_server: opts.role == Role::Provider,
+            bootstrap,
         });
         Ok(Node {
             handle,
@@ -364,13 +366,13 @@ async fn spawn_local_servers(
     Ok(tasks)
 }
 
-/// Dials the configured bootstrap peers and the team's.
-fn dial_bootstrap(config: &NodeConfig, team: Option<&Arc<Team>>, swarm: &mut Swarm<NodeBehaviour>) {
+/// The configured bootstrap peers and the team's.
+fn bootstrap_addrs(config: &NodeConfig, team: Option<&Arc<Team>>) -> Vec<Multiaddr> {
     let mut bootstrap = config.bootstrap.clone();
     if let Some(t) = team {
         bootstrap.extend(t.state().bootstrap.iter().filter_map(|a| a.parse().ok()));
     }
-    event_loop::dial_bootstrap(swarm, &bootstrap);
+    bootstrap
 }
 
 /// Settlement claims from providers, and the team's join, sync and renewal streams.

@@ -163,6 +163,8 @@ pub(crate) struct EventLoop {
     relays: nat::Relays,
     /// Kademlia server mode as configured (a node behind NAT serves as a client).
     kad_server: bool,
+    /// The bootstrap addresses, dialled again while the node is alone.
+    redial: swarm::Redial,
 }
 
 /// How the loop is set up.
@@ -192,6 +194,8 @@ pub(crate) struct LoopParts {
     pub history: crate::history::SharedHistory,
     /// Kademlia server mode as configured.
     pub kad_server: bool,
+    /// The bootstrap addresses, dialled again while the node has no connection.
+    pub bootstrap: Vec<Multiaddr>,
 }
 
 impl EventLoop {
@@ -220,6 +224,7 @@ impl EventLoop {
             advert_fetches: HashMap::new(),
             parked_finds: ParkedFinds::default(),
             started_at: Instant::now(),
+            redial: swarm::Redial::new(parts.bootstrap.clone()),
             tick_at: Instant::now() + TICK,
             standings: crate::standings::PeerStandings::new(
                 parts.team.clone(),
@@ -617,6 +622,9 @@ impl EventLoop {
         }
         self.maintain_relays();
         self.close_retired(now);
+        if self.connections.is_empty() {
+            self.redial.due(now, &mut self.swarm);
+        }
         let size = self.routing_table_size();
         self.metrics.routing_table_peers.set(size as i64);
         let m = &self.metrics;

@@ -294,6 +294,37 @@ fn is_unspecified(addr: &Multiaddr) -> bool {
     })
 }
 
+/// How often a node with no connection dials its bootstrap addresses again: the peers
+/// may have been down, or turned it away, when it started (a new team member starting
+/// before the inviter has let it in).
+const REDIAL_EVERY: Duration = Duration::from_secs(10);
+
+/// The bootstrap addresses, and when a node that has no connection dials them again.
+pub(crate) struct Redial {
+    addrs: Vec<Multiaddr>,
+    next_at: Instant,
+}
+
+impl Redial {
+    /// Dials again from [`REDIAL_EVERY`] after start.
+    pub(crate) fn new(addrs: Vec<Multiaddr>) -> Redial {
+        Redial {
+            addrs,
+            next_at: Instant::now() + REDIAL_EVERY,
+        }
+    }
+
+    /// Dials the bootstrap addresses if it is time (the caller has no connection).
+    pub(crate) fn due(&mut self, now: Instant, swarm: &mut Swarm<NodeBehaviour>) {
+        if self.addrs.is_empty() || now < self.next_at {
+            return;
+        }
+        self.next_at = now + REDIAL_EVERY;
+        tracing::debug!("no connection: dialling the bootstrap peers again");
+        dial_bootstrap(swarm, &self.addrs);
+    }
+}
+
 /// Dials every bootstrap address; peers named with `/p2p/` go into the routing table.
 pub(crate) fn dial_bootstrap(swarm: &mut Swarm<NodeBehaviour>, addrs: &[Multiaddr]) {
     for addr in addrs {

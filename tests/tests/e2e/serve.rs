@@ -1,4 +1,5 @@
-//! Three real `gpunode serve` processes on loopback: offers, status, metrics, clean exit.
+//! Real `gpunode serve` processes on loopback: offers, status, metrics, clean exit; a
+//! node started before its bootstrap peer joins it once it is up.
 
 use std::io::{Read, Write};
 use std::time::{Duration, Instant};
@@ -145,4 +146,45 @@ fn three_processes_find_each_other_and_exit_cleanly() {
     // The identity survives a restart.
     let id = stdout(&gpunode(&b.data_dir, &["id"]));
     assert_eq!(id.trim(), b.peer_id);
+}
+
+/// A node started while its bootstrap peer is not up yet (a restart, a machine booting
+/// later, a team inviter that has not let it in yet) dials it again while it has no
+/// connection, and joins once the peer is there.
+#[test]
+fn a_node_started_before_its_bootstrap_peer_joins_once_that_peer_is_up() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let bin = gpunode_bin();
+    let port = {
+        let s = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
+        s.local_addr().expect("addr").port()
+    };
+    let addr = format!("/ip4/127.0.0.1/udp/{port}/quic-v1");
+    let mut late = ServeProcess::start(
+        &bin,
+        &tmp.path().join("b"),
+        &["--bootstrap".into(), addr.clone()],
+    )
+    .expect("start b");
+    // Long enough for its first dial to have given up (a QUIC handshake to nothing times
+    // out), so only dialling again can connect it.
+    std::thread::sleep(Duration::from_secs(12));
+    let connected = |dir: &std::path::Path| -> usize {
+        let out = gpunode(dir, &["status", "--json"]);
+        let status: Value = serde_json::from_str(&stdout(&out)).unwrap_or_default();
+        status["connected_peers"].as_array().map_or(0, |p| p.len())
+    };
+    assert_eq!(
+        connected(&late.data_dir),
+        0,
+        "nothing listened at {addr} yet"
+    );
+    let mut first = ServeProcess::start(&bin, &tmp.path().join("a"), &["--listen".into(), addr])
+        .expect("start a");
+    wait_for("the late node to connect", Duration::from_secs(60), || {
+        (connected(&late.data_dir) > 0).then_some(())
+    });
+    for p in [&mut late, &mut first] {
+        p.stop(SIGINT, Duration::from_secs(10)).expect("stops");
+    }
 }
