@@ -224,7 +224,7 @@ impl EventLoop {
             advert_fetches: HashMap::new(),
             parked_finds: ParkedFinds::default(),
             started_at: Instant::now(),
-            redial: swarm::Redial::new(parts.bootstrap.clone()),
+            redial: swarm::Redial::new(parts.bootstrap),
             tick_at: Instant::now() + TICK,
             standings: crate::standings::PeerStandings::new(
                 parts.team.clone(),
@@ -624,6 +624,8 @@ impl EventLoop {
         self.close_retired(now);
         if self.connections.is_empty() {
             self.redial.due(now, &mut self.swarm);
+        } else {
+            self.redial.connected();
         }
         let size = self.routing_table_size();
         self.metrics.routing_table_peers.set(size as i64);

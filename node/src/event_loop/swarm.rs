@@ -303,6 +303,9 @@ const REDIAL_EVERY: Duration = Duration::from_secs(10);
 pub(crate) struct Redial {
     addrs: Vec<Multiaddr>,
     next_at: Instant,
+    /// The node has been alone since the last redial was announced (once per stretch
+    /// without a connection, so a lone node's log says why it dials, without repeating).
+    announced: bool,
 }
 
 impl Redial {
@@ -311,7 +314,13 @@ impl Redial {
         Redial {
             addrs,
             next_at: Instant::now() + REDIAL_EVERY,
+            announced: false,
         }
+    }
+
+    /// The node has a connection: the next stretch alone is announced again.
+    pub(crate) fn connected(&mut self) {
+        self.announced = false;
     }
 
     /// Dials the bootstrap addresses if it is time (the caller has no connection).
@@ -320,7 +329,15 @@ impl Redial {
             return;
         }
         self.next_at = now + REDIAL_EVERY;
-        tracing::debug!("no connection: dialling the bootstrap peers again");
+        if self.announced {
+            tracing::debug!("no connection: dialling the bootstrap peers again");
+        } else {
+            self.announced = true;
+            tracing::info!(
+                "no connection: dialling the bootstrap peers again (every {} s while alone)",
+                REDIAL_EVERY.as_secs()
+            );
+        }
         dial_bootstrap(swarm, &self.addrs);
     }
 }

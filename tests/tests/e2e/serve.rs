@@ -166,9 +166,16 @@ fn a_node_started_before_its_bootstrap_peer_joins_once_that_peer_is_up() {
         &["--bootstrap".into(), addr.clone()],
     )
     .expect("start b");
-    // Long enough for its first dial to have given up (a QUIC handshake to nothing times
-    // out), so only dialling again can connect it.
-    std::thread::sleep(Duration::from_secs(12));
+    // Its first dial found nothing; once it says it dials again, only that can connect it.
+    wait_for(
+        "the late node to dial its bootstrap peer again",
+        Duration::from_secs(60),
+        || {
+            late.log()
+                .contains("dialling the bootstrap peers again")
+                .then_some(())
+        },
+    );
     let connected = |dir: &std::path::Path| -> usize {
         let out = gpunode(dir, &["status", "--json"]);
         let status: Value = serde_json::from_str(&stdout(&out)).unwrap_or_default();
