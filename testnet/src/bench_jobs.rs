@@ -28,6 +28,11 @@ pub struct DispatchReport {
     pub median_ms: f64,
     /// 95th percentile, ms.
     pub p95_ms: f64,
+    /// Median of `srun true` timed the same way in the same run, when a Slurm cluster
+    /// answers on this machine (`scripts/slurm-baseline.sh` starts a one-node one), ms.
+    pub srun_true_median_ms: Option<f64>,
+    /// Our median over `srun true`'s.
+    pub ratio_to_srun: Option<f64>,
 }
 
 /// Runs `gpunode run hello.wat` through a daemon on a warm network of three
@@ -97,12 +102,57 @@ pub fn dispatch(binary: &Path, runs: usize) -> Result<Vec<DispatchReport>> {
             named_peer: peer.is_some(),
             median_ms: percentile(&times, 0.5),
             p95_ms: percentile(&times, 0.95),
+            srun_true_median_ms: None,
+            ratio_to_srun: None,
         });
     }
     for p in &mut procs {
         let _ = p.stop(SIGINT, Duration::from_secs(10));
     }
+    match srun_true(runs) {
+        Some(srun) => {
+            let median = percentile(&srun, 0.5);
+            for r in &mut reports {
+                r.srun_true_median_ms = Some(median);
+                r.ratio_to_srun = Some(r.median_ms / median);
+            }
+        }
+        None => eprintln!(
+            "no Slurm cluster answers here (`sinfo`), so no `srun true` baseline; scripts/slurm-baseline.sh runs this bench next to a one-node Slurm"
+        ),
+    }
     Ok(reports)
+}
+
+/// `srun true` timed `runs` times from spawn to exit, as `gpunode run` is (after three
+/// untimed, so both are warm); `None` when no Slurm cluster with a free node answers.
+fn srun_true(runs: usize) -> Option<Vec<f64>> {
+    let states = Command::new("sinfo")
+        .args(["-h", "-o", "%T"])
+        .output()
+        .ok()?;
+    let states = String::from_utf8_lossy(&states.stdout);
+    if !states
+        .lines()
+        .any(|s| s.starts_with("idle") || s.starts_with("mixed"))
+    {
+        return None;
+    }
+    let mut times = Vec::with_capacity(runs);
+    for i in 0..runs + 3 {
+        let t = Instant::now();
+        let o = Command::new("srun").arg("true").output().ok()?;
+        let ms = t.elapsed().as_secs_f64() * 1000.0;
+        if !o.status.success() {
+            eprintln!("srun true failed: {}", String::from_utf8_lossy(&o.stderr));
+            return None;
+        }
+        if i >= 3 {
+            times.push(ms);
+        }
+    }
+    times.sort_by(f64::total_cmp);
+    Some(times)
 }
 
 /// Result of `transfer`.
