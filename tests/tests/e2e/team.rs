@@ -74,7 +74,10 @@ fn create_invite_join_and_run_inside_a_team() {
     let mut pb = ServeProcess::start(&bin, &b, &[]).expect("b serves");
     let mut pc = ServeProcess::start(&bin, &c, &[]).expect("c serves");
 
-    // A task from c runs on a team provider found through the team's DHT.
+    // A task from c runs on a team provider found through the team's DHT. Inside a team
+    // a run waits for a provider by default; `--no-wait` fails at once instead, so the
+    // loop's deadline bounds the whole wait (a member that never joined the network
+    // fails the test instead of hanging it).
     let hello = workspace_file("examples/wat/hello.wat");
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     let out = loop {
@@ -83,6 +86,7 @@ fn create_invite_join_and_run_inside_a_team() {
             &[
                 "run",
                 hello.to_str().expect("utf8"),
+                "--no-wait",
                 "--output",
                 tmp.path().join("out").to_str().expect("utf8"),
             ],
