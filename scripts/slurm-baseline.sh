@@ -15,10 +15,20 @@ if [ "$#" -eq 0 ]; then
   echo "usage: $0 COMMAND [ARGS...]" >&2
   exit 2
 fi
+if [ "$(id -u)" -ne 0 ]; then
+  echo "run as root: Slurm's daemons run as root here, munged as user munge" >&2
+  exit 1
+fi
+# srun and slurmd reach each other at the address this host's name resolves to: keep
+# every packet on loopback.
+if ! getent hosts "$(hostname)" | grep -q '^127\.'; then
+  echo "$(hostname) does not resolve to a loopback address, so Slurm would talk over the network; not started" >&2
+  exit 1
+fi
 
 if ! command -v slurmctld >/dev/null 2>&1 || ! command -v slurmd >/dev/null 2>&1 \
   || ! command -v srun >/dev/null 2>&1 || ! command -v munged >/dev/null 2>&1; then
-  if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null 2>&1; then
+  if ! command -v apt-get >/dev/null 2>&1; then
     echo "please install Slurm (slurmctld, slurmd, srun) and MUNGE" >&2
     exit 1
   fi
@@ -28,8 +38,13 @@ if ! command -v slurmctld >/dev/null 2>&1 || ! command -v slurmd >/dev/null 2>&1
 fi
 
 dir=$(mktemp -d /tmp/gpunode-slurm.XXXXXX)
+munge_pid_file=/run/munge/gpunode-bench.pid
+started_munge=0
 pids=()
 cleanup() {
+  if [ "$started_munge" -eq 1 ] && [ -s "$munge_pid_file" ]; then
+    pids+=("$(cat "$munge_pid_file")")
+  fi
   for pid in "${pids[@]}"; do
     kill "$pid" 2>/dev/null || true
   done
@@ -38,8 +53,13 @@ cleanup() {
       kill -0 "$pid" 2>/dev/null || break
       sleep 0.1
     done
-    kill -9 "$pid" 2>/dev/null || true
+    if kill -0 "$pid" 2>/dev/null; then
+      kill -9 "$pid" 2>/dev/null || true
+    fi
   done
+  if [ "$started_munge" -eq 1 ]; then
+    rm -f "$munge_pid_file"
+  fi
   rm -rf "$dir"
 }
 trap cleanup EXIT
@@ -48,8 +68,8 @@ trap cleanup EXIT
 if ! munge -n >/dev/null 2>&1; then
   mkdir -p /run/munge /var/log/munge /var/lib/munge
   chown munge:munge /run/munge /var/log/munge /var/lib/munge 2>/dev/null || true
-  su -s /bin/sh munge -c "/usr/sbin/munged --pid-file=/run/munge/gpunode-bench.pid"
-  pids+=("$(cat /run/munge/gpunode-bench.pid)")
+  started_munge=1
+  su -s /bin/sh munge -c "/usr/sbin/munged --pid-file=$munge_pid_file"
 fi
 
 mkdir -p "$dir/state" "$dir/spool"
@@ -60,6 +80,7 @@ SlurmctldHost=localhost(127.0.0.1)
 SlurmctldPort=16817
 SlurmdPort=16818
 SlurmUser=root
+CommunicationParameters=NoCtldInAddrAny,NoInAddrAny
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
@@ -88,13 +109,14 @@ pids+=("$!")
 slurmd -D -f "$SLURM_CONF" >"$dir/slurmd.out" 2>&1 &
 pids+=("$!")
 
+node_idle() {
+  [ -n "$(sinfo -h -r -t idle -o %N 2>/dev/null)" ]
+}
 for _ in $(seq 100); do
-  if sinfo -h -o %T 2>/dev/null | grep -q '^idle'; then
-    break
-  fi
+  node_idle && break
   sleep 0.2
 done
-if ! sinfo -h -o %T 2>/dev/null | grep -q '^idle'; then
+if ! node_idle; then
   echo "the Slurm node did not come up; logs:" >&2
   cat "$dir"/*.out "$dir"/*.log >&2 2>/dev/null || true
   exit 1

@@ -109,42 +109,50 @@ pub fn dispatch(binary: &Path, runs: usize) -> Result<Vec<DispatchReport>> {
     for p in &mut procs {
         let _ = p.stop(SIGINT, Duration::from_secs(10));
     }
-    match srun_true(runs) {
-        Some(srun) => {
-            let median = percentile(&srun, 0.5);
-            for r in &mut reports {
-                r.srun_true_median_ms = Some(median);
-                r.ratio_to_srun = Some(r.median_ms / median);
-            }
+    if let Some(srun) = srun_true(runs) {
+        let median = percentile(&srun, 0.5);
+        for r in &mut reports {
+            r.srun_true_median_ms = Some(median);
+            r.ratio_to_srun = Some(r.median_ms / median);
         }
-        None => eprintln!(
-            "no Slurm cluster answers here (`sinfo`), so no `srun true` baseline; scripts/slurm-baseline.sh runs this bench next to a one-node Slurm"
-        ),
     }
     Ok(reports)
 }
 
 /// `srun true` timed `runs` times from spawn to exit, as `gpunode run` is (after three
-/// untimed, so both are warm); `None` when no Slurm cluster with a free node answers.
+/// untimed, so both are warm); `None`, saying why, when there is no Slurm cluster with
+/// a free node here or `srun` fails. Each `srun` gives up after 10 s without a node.
 fn srun_true(runs: usize) -> Option<Vec<f64>> {
-    let states = Command::new("sinfo")
-        .args(["-h", "-o", "%T"])
+    let free = Command::new("sinfo")
+        .args(["-h", "-r", "-t", "idle,mixed", "-o", "%N"])
         .output()
-        .ok()?;
-    let states = String::from_utf8_lossy(&states.stdout);
-    if !states
-        .lines()
-        .any(|s| s.starts_with("idle") || s.starts_with("mixed"))
-    {
+        .ok()
+        .filter(|o| o.status.success() && !o.stdout.trim_ascii().is_empty());
+    if free.is_none() || runs == 0 {
+        eprintln!(
+            "no Slurm cluster with a free node answers here (`sinfo`), so no `srun true` baseline; scripts/slurm-baseline.sh runs this bench next to a one-node Slurm"
+        );
         return None;
     }
     let mut times = Vec::with_capacity(runs);
     for i in 0..runs + 3 {
         let t = Instant::now();
-        let o = Command::new("srun").arg("true").output().ok()?;
+        let o = match Command::new("srun")
+            .args(["--immediate=10", "true"])
+            .output()
+        {
+            Ok(o) => o,
+            Err(e) => {
+                eprintln!("cannot run srun, so no `srun true` baseline: {e}");
+                return None;
+            }
+        };
         let ms = t.elapsed().as_secs_f64() * 1000.0;
         if !o.status.success() {
-            eprintln!("srun true failed: {}", String::from_utf8_lossy(&o.stderr));
+            eprintln!(
+                "srun true failed, so no baseline: {}",
+                String::from_utf8_lossy(&o.stderr)
+            );
             return None;
         }
         if i >= 3 {
