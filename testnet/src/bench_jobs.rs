@@ -22,6 +22,8 @@ use crate::{TestNet, TestNetConfig, Transport};
 pub struct DispatchReport {
     /// Runs timed.
     pub runs: usize,
+    /// Pause between runs, ms.
+    pub pause_ms: u64,
     /// `--peer` given (no provider lookup) or not.
     pub named_peer: bool,
     /// Median wall time of the `gpunode run` process, ms.
@@ -36,8 +38,9 @@ pub struct DispatchReport {
 }
 
 /// Runs `gpunode run hello.wat` through a daemon on a warm network of three
-/// `gpunode serve` processes, timing the whole CLI process each time.
-pub fn dispatch(binary: &Path, runs: usize) -> Result<Vec<DispatchReport>> {
+/// `gpunode serve` processes, timing the whole CLI process each time, with `pause`
+/// between runs.
+pub fn dispatch(binary: &Path, runs: usize, pause: Duration) -> Result<Vec<DispatchReport>> {
     let tmp = tempfile::Builder::new()
         .prefix("bench-dispatch")
         .tempdir()?;
@@ -94,11 +97,13 @@ pub fn dispatch(binary: &Path, runs: usize) -> Result<Vec<DispatchReport>> {
     for peer in [None, Some(procs[1].peer_id.clone())] {
         let mut times = Vec::with_capacity(runs);
         for _ in 0..runs {
+            std::thread::sleep(pause);
             times.push(run(peer.as_deref())?);
         }
         times.sort_by(f64::total_cmp);
         reports.push(DispatchReport {
             runs,
+            pause_ms: pause.as_millis() as u64,
             named_peer: peer.is_some(),
             median_ms: percentile(&times, 0.5),
             p95_ms: percentile(&times, 0.95),

@@ -8,8 +8,9 @@
 //! with the task, so isolation is the same as with a worker started on demand: one
 //! process per task, never reused. A keeper thread refills the pool up to the size the node asks for (one per CPU
 //! slot) and reaps workers whose tasks have ended, so neither happens on a task's path; a
-//! taken worker's replacement starts once a task has ended (or [`REFILL_HOLD`] later), so
-//! it does not compete with a short task for the CPU.
+//! taken worker's replacement starts [`AFTER_TASK`] after a task has ended (or
+//! [`REFILL_HOLD`] after the take, if sooner), so it competes for the CPU neither with a
+//! short task nor with what follows it (its report and outputs, its lease's settlement).
 //! A worker whose parent dies reads end-of-file and exits; the pool's drop kills the rest.
 
 use std::path::{Path, PathBuf};
@@ -28,6 +29,9 @@ pub const MAX_READY_WORKERS: usize = 16;
 const EXIT_GRACE: Duration = Duration::from_secs(5);
 /// Longest a taken worker's replacement waits for its task to end before it starts.
 const REFILL_HOLD: Duration = Duration::from_millis(20);
+/// How long after its task ended a replacement starts (if [`REFILL_HOLD`] has not run
+/// out first): the task's report and outputs, and its lease's settlement, go first.
+const AFTER_TASK: Duration = Duration::from_millis(5);
 /// How often the keeper looks at workers that are exiting.
 const REAP_EVERY: Duration = Duration::from_millis(5);
 
@@ -42,10 +46,19 @@ struct Shared {
     /// The cache key of the module the last task ran, which workers started from now on
     /// load while they wait (a task run again finds it in memory).
     preload: Option<String>,
-    /// A worker was taken for a task: the replacement starts when a task ends or at
-    /// this time, whichever is first, so that starting it (a process, an engine, a
-    /// warm-up run) does not take the CPU from a short task.
+    /// A worker was taken for a task: the replacement starts [`AFTER_TASK`] after a
+    /// task ends or at this time, whichever is first, so that starting it (a process, an
+    /// engine, a warm-up run) does not take the CPU from a short task and its job.
     refill_held_until: Option<Instant>,
+}
+
+impl Shared {
+    /// A task ended: the held replacement starts [`AFTER_TASK`] from now, or when its
+    /// hold runs out if that is sooner.
+    fn task_ended(&mut self) {
+        let soon = Instant::now() + AFTER_TASK;
+        self.refill_held_until = self.refill_held_until.map(|until| until.min(soon));
+    }
 }
 
 struct Inner {
@@ -142,7 +155,7 @@ impl WorkerPool {
     pub(crate) fn retire(&self, child: Child) {
         let mut shared = self.inner.lock();
         shared.exiting.push((child, Instant::now() + EXIT_GRACE));
-        shared.refill_held_until = None;
+        shared.task_ended();
         drop(shared);
         self.wake_keeper();
     }
@@ -150,7 +163,7 @@ impl WorkerPool {
     /// A task taken from the pool has ended (its worker stopped or reaped by the
     /// caller): the keeper may start replacements now.
     pub(crate) fn task_ended(&self) {
-        self.inner.lock().refill_held_until = None;
+        self.inner.lock().task_ended();
         self.wake_keeper();
     }
 
@@ -281,4 +294,35 @@ impl Drop for WorkerPool {
 fn stop(mut child: Child) {
     let _ = child.kill();
     let _ = child.wait();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_task_that_ends_brings_its_held_replacement_forward_but_not_to_now() {
+        let mut shared = Shared::default();
+        let before = Instant::now();
+        shared.refill_held_until = Some(before + REFILL_HOLD);
+        shared.task_ended();
+        let after = Instant::now();
+        let until = shared.refill_held_until.expect("still held for a moment");
+        assert!(
+            until >= before + AFTER_TASK,
+            "held until the task's job is done"
+        );
+        assert!(until <= after + AFTER_TASK, "no longer than AFTER_TASK");
+
+        // A hold about to run out is not pushed back.
+        let soon = Instant::now() + Duration::from_millis(1);
+        shared.refill_held_until = Some(soon);
+        shared.task_ended();
+        assert_eq!(shared.refill_held_until, Some(soon));
+
+        // Nothing held (a worker started for the task itself): nothing to release.
+        shared.refill_held_until = None;
+        shared.task_ended();
+        assert_eq!(shared.refill_held_until, None);
+    }
 }

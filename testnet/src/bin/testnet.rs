@@ -127,6 +127,10 @@ enum Bench {
         /// Runs to time (each way: provider lookup, and --peer).
         #[arg(long, default_value_t = 50)]
         runs: usize,
+        /// Pause between runs, ms (0: back to back; a person running one task after
+        /// another leaves seconds).
+        #[arg(long, default_value_t = 0)]
+        pause_ms: u64,
     },
     /// Members behind NAT in a lab of network namespaces (root): time to the first job
     /// between two of them, hole-punch success per NAT type, direct vs relayed transfer.
@@ -357,8 +361,9 @@ fn bench(which: Bench) -> Result<()> {
                 per_identity.max(1),
             ))?)
         }
-        Bench::Dispatch { runs } => {
-            for report in testnet::bench_jobs::dispatch(&gpunode_binary()?, runs)? {
+        Bench::Dispatch { runs, pause_ms } => {
+            let pause = Duration::from_millis(pause_ms);
+            for report in testnet::bench_jobs::dispatch(&gpunode_binary()?, runs, pause)? {
                 print(&report)?;
             }
             Ok(())
