@@ -74,13 +74,7 @@ pub fn dispatch(binary: &Path, runs: usize, pause: Duration) -> Result<Vec<Dispa
         if let Some(p) = peer {
             cmd.args(["--peer", p]);
         }
-        let t = Instant::now();
-        let o = cmd.output()?;
-        let ms = t.elapsed().as_secs_f64() * 1000.0;
-        if !o.status.success() {
-            bail!("gpunode run failed: {}", String::from_utf8_lossy(&o.stderr));
-        }
-        Ok(ms)
+        timed(&mut cmd)
     };
     // Until both providers are visible and every path is warm.
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -124,16 +118,35 @@ pub fn dispatch(binary: &Path, runs: usize, pause: Duration) -> Result<Vec<Dispa
     Ok(reports)
 }
 
+/// Runs `cmd` to its exit: its wall time from spawn to exit in ms, or its stderr when
+/// it fails.
+fn timed(cmd: &mut Command) -> Result<f64> {
+    let t = Instant::now();
+    let o = cmd.output()?;
+    let ms = t.elapsed().as_secs_f64() * 1000.0;
+    if !o.status.success() {
+        bail!(
+            "{} failed: {}",
+            cmd.get_program().to_string_lossy(),
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+    Ok(ms)
+}
+
 /// `srun true` timed `runs` times from spawn to exit, as `gpunode run` is (after three
 /// untimed, so both are warm); `None`, saying why, when there is no Slurm cluster with
 /// a free node here or `srun` fails. Each `srun` gives up after 10 s without a node.
 fn srun_true(runs: usize) -> Option<Vec<f64>> {
+    if runs == 0 {
+        return None;
+    }
     let free = Command::new("sinfo")
         .args(["-h", "-r", "-t", "idle,mixed", "-o", "%N"])
         .output()
         .ok()
         .filter(|o| o.status.success() && !o.stdout.trim_ascii().is_empty());
-    if free.is_none() || runs == 0 {
+    if free.is_none() {
         eprintln!(
             "no Slurm cluster with a free node answers here (`sinfo`), so no `srun true` baseline; scripts/slurm-baseline.sh runs this bench next to a one-node Slurm"
         );
@@ -141,27 +154,13 @@ fn srun_true(runs: usize) -> Option<Vec<f64>> {
     }
     let mut times = Vec::with_capacity(runs);
     for i in 0..runs + 3 {
-        let t = Instant::now();
-        let o = match Command::new("srun")
-            .args(["--immediate=10", "true"])
-            .output()
-        {
-            Ok(o) => o,
+        match timed(Command::new("srun").args(["--immediate=10", "true"])) {
+            Ok(ms) if i >= 3 => times.push(ms),
+            Ok(_) => {}
             Err(e) => {
-                eprintln!("cannot run srun, so no `srun true` baseline: {e}");
+                eprintln!("no `srun true` baseline: {e}");
                 return None;
             }
-        };
-        let ms = t.elapsed().as_secs_f64() * 1000.0;
-        if !o.status.success() {
-            eprintln!(
-                "srun true failed, so no baseline: {}",
-                String::from_utf8_lossy(&o.stderr)
-            );
-            return None;
-        }
-        if i >= 3 {
-            times.push(ms);
         }
     }
     times.sort_by(f64::total_cmp);

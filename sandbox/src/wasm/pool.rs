@@ -161,7 +161,7 @@ impl WorkerPool {
     }
 
     /// A task taken from the pool has ended (its worker stopped or reaped by the
-    /// caller): the keeper may start replacements now.
+    /// caller): the keeper may start replacements [`AFTER_TASK`] from now.
     pub(crate) fn task_ended(&self) {
         self.inner.lock().task_ended();
         self.wake_keeper();
