@@ -61,6 +61,8 @@ pub struct UsageMeter {
     running: Mutex<HashMap<LeaseId, u32>>,
     /// Told when the last running job of a lease ends.
     pub jobs_done: tokio::sync::Notify,
+    /// Counts leases whose last running job ended, for [`UsageMeter::wait_idle`].
+    idle: tokio::sync::watch::Sender<u64>,
 }
 
 impl std::fmt::Debug for UsageMeter {
@@ -89,6 +91,7 @@ impl UsageMeter {
             leases: Mutex::new(leases),
             running: Mutex::new(HashMap::new()),
             jobs_done: tokio::sync::Notify::new(),
+            idle: tokio::sync::watch::Sender::new(0),
         })
     }
 
@@ -166,6 +169,24 @@ impl UsageMeter {
             if *n == 0 {
                 running.remove(&lease);
                 self.jobs_done.notify_one();
+                self.idle.send_modify(|n| *n = n.wrapping_add(1));
+            }
+        }
+    }
+
+    /// Waits until no job of `lease` is running, at most `timeout`; whether none is.
+    pub async fn wait_idle(&self, lease: &LeaseId, timeout: std::time::Duration) -> bool {
+        let mut idle = self.idle.subscribe();
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            if !self.has_running(lease) {
+                return true;
+            }
+            if tokio::time::timeout_at(deadline, idle.changed())
+                .await
+                .is_err()
+            {
+                return false;
             }
         }
     }
@@ -187,5 +208,41 @@ impl UsageMeter {
     pub fn forget(&self, lease: &LeaseId) {
         self.lock().remove(lease);
         let _ = self.store.remove(self.tree, &lease.0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use super::*;
+
+    #[tokio::test]
+    async fn waiting_for_a_lease_ends_when_its_last_job_ends_and_not_before() {
+        let meter =
+            Arc::new(UsageMeter::open(Store::temporary().expect("store"), "t").expect("meter"));
+        let (lease, other) = (LeaseId([1; 16]), LeaseId([2; 16]));
+        assert!(
+            meter.wait_idle(&lease, Duration::ZERO).await,
+            "nothing runs"
+        );
+        meter.job_started(lease);
+        meter.job_started(lease);
+        meter.job_started(other);
+        assert!(!meter.wait_idle(&lease, Duration::from_millis(20)).await);
+        let waiter = tokio::spawn({
+            let meter = meter.clone();
+            async move { meter.wait_idle(&lease, Duration::from_secs(30)).await }
+        });
+        // Another lease's end and one of two jobs ending do not end the wait.
+        meter.job_ended(other);
+        meter.job_ended(lease);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!waiter.is_finished());
+        meter.add_job(lease, 5, "exited".into(), None);
+        meter.job_ended(lease);
+        assert!(waiter.await.expect("waiter"));
+        assert_eq!(meter.get(&lease).jobs, 1);
     }
 }

@@ -39,6 +39,9 @@ pub struct Metrics {
     pub jobs_running: Gauge,
     /// Leases ended because the GPU's owner came back (policy `yield`).
     pub leases_preempted: Counter,
+    /// Leases this provider ended as their only job's exchange ended (the requester
+    /// asked for that by the protocol it opened the job on).
+    pub leases_ended_with_job: Counter,
     /// Per-GPU and per-job GPU readings, and alerts.
     pub gpus: GpuGauges,
     /// Blob bytes received from requesters (modules and inputs not already cached).
@@ -131,6 +134,7 @@ impl Metrics {
         let jobs_rejected = Family::<Vec<(String, String)>, Counter>::default();
         let jobs_running = Gauge::default();
         let leases_preempted = Counter::default();
+        let leases_ended_with_job = Counter::default();
         let job_bytes_received = Counter::default();
         let job_bytes_cached = Counter::default();
         registry.register(
@@ -148,6 +152,11 @@ impl Metrics {
             "leases_preempted",
             "Leases ended because the GPU's owner came back",
             leases_preempted.clone(),
+        );
+        registry.register(
+            "leases_ended_with_job",
+            "Leases ended by this provider as their only job's exchange ended",
+            leases_ended_with_job.clone(),
         );
         registry.register(
             "job_bytes_received",
@@ -222,6 +231,7 @@ impl Metrics {
             jobs_rejected,
             jobs_running,
             leases_preempted,
+            leases_ended_with_job,
             job_bytes_received,
             job_bytes_cached,
             registry,

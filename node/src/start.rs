@@ -168,7 +168,13 @@ impl Services<'_> {
         if opts.role == Role::Provider {
             let service = job_service(opts, handle, self.executor, self.lease_jobs, self.team)?;
             let limits = jobs::provider::JOB_STREAM_LIMITS;
-            router.route(jobs::JOB_PROTOCOL, "job", limits, service)?;
+            let mut variants: Vec<(libp2p::StreamProtocol, Arc<dyn router::StreamHandler>)> =
+                vec![(jobs::JOB_PROTOCOL, service.clone())];
+            if !opts.misbehaviour.first_job_protocol_only {
+                let ending = Arc::new(jobs::provider::LeaseEndingJobs(service));
+                variants.push((jobs::JOB_ENDS_LEASE_PROTOCOL, ending));
+            }
+            router.route_variants("job", limits, variants)?;
         }
         tasks.push(tokio::spawn(router.serve(stop.clone())));
         Ok(tasks)

@@ -1,5 +1,6 @@
-//! The job protocol (`/gpunode/job/1.0.0`): what a requester and a provider say on the
-//! one stream that carries a job under an active lease.
+//! The job protocol (`/gpunode/job/1.0.0`, and `/gpunode/job-ends-lease/1.0.0` for a
+//! lease's only job, after which the provider ends the lease): what a requester and a
+//! provider say on the one stream that carries a job under an active lease.
 //!
 //! ```text
 //! requester                                   provider

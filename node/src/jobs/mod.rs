@@ -10,6 +10,10 @@
 //! provider when one fails. [`table`] keeps the jobs a daemon runs for its user, with
 //! their events, for `gpunode jobs`, `logs` and `cancel`.
 //!
+//! A lease taken for one job ends with it: on [`JOB_ENDS_LEASE_PROTOCOL`] streams the
+//! provider ends the lease when the job's exchange is over, and the requester only
+//! marks it ended on its side.
+//!
 //! A job never outlives its lease: [`LeaseJobs`] holds the cancel token of every running
 //! job by lease, and the event loop fires them when a lease ends or is cancelled.
 
@@ -42,6 +46,12 @@ pub use table::{JobState, JobView};
 
 /// The job stream protocol.
 pub const JOB_PROTOCOL: StreamProtocol = StreamProtocol::new("/gpunode/job/1.0.0");
+/// The job protocol for a lease's only job: the same messages, and the provider ends
+/// the lease itself once the exchange is over (after the outputs), so the requester
+/// sends no cancellation and the receipt follows the outputs at once. Providers that
+/// do not serve it get [`JOB_PROTOCOL`] and a cancellation, as before.
+pub const JOB_ENDS_LEASE_PROTOCOL: StreamProtocol =
+    StreamProtocol::new("/gpunode/job-ends-lease/1.0.0");
 
 /// A job running here for a peer, as `status` shows it.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]

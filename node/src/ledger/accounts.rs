@@ -19,7 +19,8 @@ use crate::store::Store;
 
 use super::claims::{ClaimBook, StoredClaim, CLAIMS_TREE};
 
-/// Ways a node can be told to cheat, so test networks can check that cheats are caught.
+/// Ways a node can be told to cheat, so test networks can check that cheats are caught
+/// (and to act like an older version, so they can check it is still understood).
 /// Never set from configuration.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Misbehaviour {
@@ -34,6 +35,9 @@ pub struct Misbehaviour {
     /// Offer every lease under this id (a provider trying to overwrite the requester's
     /// record of another lease).
     pub fixed_lease_id: Option<[u8; 16]>,
+    /// Serve jobs only on the first job protocol, as providers did before
+    /// `JOB_ENDS_LEASE_PROTOCOL` (not hostile: how requesters meet older providers).
+    pub first_job_protocol_only: bool,
 }
 
 /// The credit side of a node: ledger, reputation, usage meters, unsettled claims and the

@@ -24,6 +24,8 @@ use crate::loop_client::PeerLink;
 use super::accounts::Accounts;
 
 pub(super) const CLAIMS_TREE: &str = "claims";
+/// Longest a claim's answer waits for the outputs of its lease's job to be checked here.
+const OBSERVATION_WAIT: Duration = Duration::from_secs(10);
 
 /// A claim and where it stands.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -333,6 +335,7 @@ impl Accounts {
         let ids = claims.iter().map(|c| c.receipt.lease_id).collect();
         let mut leases = link.client().leases_by_id(ids).await.unwrap_or_default();
         leases.resize(claims.len(), None);
+        self.await_observations(&from, &claims, &leases).await;
         let all_signed = providers_signed_all(&from, &claims);
         let mut results: Vec<Option<ClaimResult>> = vec![None; claims.len()];
         let mut to_record = Vec::new();
@@ -368,6 +371,28 @@ impl Accounts {
         results
     }
 
+    /// Waits (at most [`OBSERVATION_WAIT`] in all) until no job of the claimed leases
+    /// that `from` provides to us is still delivering here: a provider that ends the
+    /// lease with its job (the job protocol that ends leases) sends the claim as the
+    /// outputs arrive, and what this node observed is known only once they are checked.
+    async fn await_observations(
+        &self,
+        from: &PeerId,
+        claims: &[Claim],
+        leases: &[Option<LeaseRecord>],
+    ) {
+        let deadline = tokio::time::Instant::now() + OBSERVATION_WAIT;
+        for (claim, lease) in claims.iter().zip(leases) {
+            let ours = lease
+                .as_ref()
+                .is_some_and(|l| l.role == LeaseRole::Requester && l.terms.provider == *from);
+            if ours {
+                let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+                self.observed.wait_idle(&claim.receipt.lease_id, left).await;
+            }
+        }
+    }
+
     /// One claim: the same receipt settled before gets its countersignature again; a
     /// new one is checked and countersigned (to be recorded); the `Err` is the answer
     /// when it cannot be.
@@ -394,6 +419,13 @@ impl Accounts {
             }
             Ok(None) => {}
             Err(e) => return Err(requester_error(e)),
+        }
+        if self.observed.has_running(&id) {
+            // Not the provider's fault: it is asked again (RequesterError).
+            return Err(ClaimResult::Rejected(ReceiptRejection::new(
+                ReceiptRefusal::RequesterError,
+                format!("a job of lease {id} is still delivering its outputs here; try again"),
+            )));
         }
         let observed = self.observed.get(&id);
         let local = self.ledger.local();

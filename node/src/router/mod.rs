@@ -57,7 +57,8 @@ pub struct RouteError {
 }
 
 struct Route {
-    handler: Arc<dyn StreamHandler>,
+    /// One handler per protocol the route serves, in the order registered.
+    handlers: Vec<Arc<dyn StreamHandler>>,
     gate: StreamGate,
     exchange: Option<Duration>,
 }
@@ -67,7 +68,8 @@ pub struct Router {
     control: libp2p_stream::Control,
     metrics: Arc<Metrics>,
     routes: Vec<Route>,
-    incoming: Vec<futures::stream::BoxStream<'static, (usize, PeerId, Stream)>>,
+    /// Streams as they come: (route, handler within it, peer, stream).
+    incoming: Vec<futures::stream::BoxStream<'static, (usize, usize, PeerId, Stream)>>,
 }
 
 impl Router {
@@ -89,16 +91,38 @@ impl Router {
         limits: StreamLimits,
         handler: Arc<dyn StreamHandler>,
     ) -> Result<(), RouteError> {
-        let incoming = self
-            .control
-            .accept(protocol.clone())
-            .map_err(|e| RouteError {
-                protocol: protocol.to_string(),
-                reason: e.to_string(),
-            })?;
+        self.route_variants(name, limits, vec![(protocol, handler)])
+    }
+
+    /// Serves variants of one exchange (each protocol with its handler) under one set
+    /// of `limits`: their streams share one gate, so a peer gains no room by opening
+    /// every variant.
+    pub fn route_variants(
+        &mut self,
+        name: &'static str,
+        limits: StreamLimits,
+        variants: Vec<(StreamProtocol, Arc<dyn StreamHandler>)>,
+    ) -> Result<(), RouteError> {
         let index = self.routes.len();
+        let mut handlers = Vec::with_capacity(variants.len());
+        let mut incoming = Vec::with_capacity(variants.len());
+        for (variant, (protocol, handler)) in variants.into_iter().enumerate() {
+            let accepted = self
+                .control
+                .accept(protocol.clone())
+                .map_err(|e| RouteError {
+                    protocol: protocol.to_string(),
+                    reason: e.to_string(),
+                })?;
+            handlers.push(handler);
+            incoming.push(
+                accepted
+                    .map(move |(peer, s)| (index, variant, peer, s))
+                    .boxed(),
+            );
+        }
         self.routes.push(Route {
-            handler,
+            handlers,
             gate: StreamGate::new(
                 name,
                 limits.max_handlers,
@@ -107,8 +131,7 @@ impl Router {
             ),
             exchange: limits.exchange,
         });
-        self.incoming
-            .push(incoming.map(move |(peer, s)| (index, peer, s)).boxed());
+        self.incoming.extend(incoming);
         Ok(())
     }
 
@@ -125,8 +148,8 @@ impl Router {
         loop {
             tokio::select! {
                 next = incoming.next() => match next {
-                    Some((index, peer, stream)) => {
-                        if let Some(task) = Self::dispatch(&routes[index], peer, stream) {
+                    Some((index, variant, peer, stream)) => {
+                        if let Some(task) = Self::dispatch(&routes[index], variant, peer, stream) {
                             running.retain(|h| !h.is_finished());
                             running.push(tokio::spawn(task).abort_handle());
                         }
@@ -150,10 +173,14 @@ impl Router {
 
     /// The handler's work for one stream, holding a slot of its gate; `None` when all
     /// slots are taken (the stream is dropped unread and counted as `busy`).
-    fn dispatch(route: &Route, peer: PeerId, stream: Stream) -> Option<BoxFuture<'static, ()>> {
+    fn dispatch(
+        route: &Route,
+        variant: usize,
+        peer: PeerId,
+        stream: Stream,
+    ) -> Option<BoxFuture<'static, ()>> {
         let permit = route.gate.enter()?;
-        let work = route
-            .handler
+        let work = route.handlers[variant]
             .clone()
             .handle(peer, stream, route.gate.clone());
         let exchange = route.exchange;

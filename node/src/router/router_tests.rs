@@ -77,29 +77,46 @@ async fn run(mut swarm: Swarm<NodeBehaviour>, listen: bool) -> Option<Multiaddr>
     addr
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn streams_past_the_bound_are_refused_and_stopping_aborts_after_the_grace() {
+/// Two streams at once, ten seconds for the first message.
+const LIMITS: StreamLimits = StreamLimits {
+    max_handlers: 2,
+    first_message: Duration::from_secs(10),
+    exchange: None,
+};
+
+/// A router serving what `routes` registers on one swarm, and a client swarm connected
+/// to it: the server's id, its metrics, the client's stream control, the router's stop
+/// switch and its task.
+type Served = (
+    PeerId,
+    Arc<Metrics>,
+    libp2p_stream::Control,
+    tokio::sync::watch::Sender<bool>,
+    tokio::task::JoinHandle<()>,
+);
+
+async fn serve(routes: impl FnOnce(&mut Router) -> Result<(), RouteError>) -> Served {
     let (server, mut client) = (swarm(), swarm());
     let server_id = *server.local_peer_id();
     let metrics = Metrics::new();
     let mut router = Router::new(server.behaviour().stream.new_control(), metrics.clone());
-    let holder = Arc::new(Holder::default());
-    let limits = StreamLimits {
-        max_handlers: 2,
-        first_message: Duration::from_secs(10),
-        exchange: None,
-    };
-    router
-        .route(TEST_PROTOCOL, "test", limits, holder.clone())
-        .expect("route");
+    routes(&mut router).expect("route");
     let addr = run(server, true).await.expect("listening");
     client
         .dial(addr.with(libp2p::multiaddr::Protocol::P2p(server_id)))
         .expect("dial");
-    let mut control = client.behaviour().stream.new_control();
+    let control = client.behaviour().stream.new_control();
     run(client, false).await;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let serving = tokio::spawn(router.serve(stop_rx));
+    (server_id, metrics, control, stop_tx, serving)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_past_the_bound_are_refused_and_stopping_aborts_after_the_grace() {
+    let holder = Arc::new(Holder::default());
+    let served = serve(|router| router.route(TEST_PROTOCOL, "test", LIMITS, holder.clone())).await;
+    let (server_id, metrics, mut control, stop_tx, serving) = served;
 
     // Two streams are handled; the third is dropped unread and counted as busy.
     let mut open = Vec::new();
@@ -148,4 +165,58 @@ async fn streams_past_the_bound_are_refused_and_stopping_aborts_after_the_grace(
     .await
     .expect("an answer");
     assert!(refused.is_err(), "a stopped router accepted a stream");
+}
+
+const TEST_VARIANT: StreamProtocol = StreamProtocol::new("/gpunode/router-test-variant/1");
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn variants_of_a_route_reach_their_own_handler_and_share_its_bound() {
+    let (first, second) = (Arc::new(Holder::default()), Arc::new(Holder::default()));
+    let served = serve(|router| {
+        let variants: Vec<(StreamProtocol, Arc<dyn StreamHandler>)> = vec![
+            (TEST_PROTOCOL, first.clone()),
+            (TEST_VARIANT, second.clone()),
+        ];
+        router.route_variants("test", LIMITS, variants)
+    })
+    .await;
+    let (server_id, metrics, mut control, stop_tx, serving) = served;
+
+    // One stream of each variant reaches that variant's handler ...
+    let mut open = Vec::new();
+    for protocol in [TEST_PROTOCOL, TEST_VARIANT] {
+        open.push(
+            control
+                .open_stream(server_id, protocol)
+                .await
+                .expect("open"),
+        );
+    }
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while first.started.load(Ordering::SeqCst) + second.started.load(Ordering::SeqCst) < 2 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "streams not handled"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(first.started.load(Ordering::SeqCst), 1);
+    assert_eq!(second.started.load(Ordering::SeqCst), 1);
+    // ... and a third, of either variant, is past the bound they share.
+    open.push(
+        control
+            .open_stream(server_id, TEST_VARIANT)
+            .await
+            .expect("open"),
+    );
+    while metrics.stream_refused_count("test", "busy") < 1 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the third stream was not refused"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(second.started.load(Ordering::SeqCst), 1);
+    stop_tx.send(true).expect("stop");
+    let _ = tokio::time::timeout(SHUTDOWN_GRACE * 3, serving).await;
 }

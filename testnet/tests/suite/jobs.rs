@@ -1,7 +1,8 @@
 //! Jobs on real nodes on 127.0.0.1: a task runs on a remote peer and its output comes
 //! back byte for byte; the same module and input are not sent twice; a provider that
 //! dies mid-task is replaced; a lease that ends stops its job; bad modules cost no
-//! lease; hostile job requests are refused and the provider keeps serving.
+//! lease; a lease taken for one job ends with it, on providers old and new; hostile job
+//! requests are refused and the provider keeps serving.
 
 use std::time::Duration;
 
@@ -284,13 +285,122 @@ async fn a_failed_job_has_given_its_lease_back_when_it_returns() {
     net.shutdown().await;
 }
 
+/// A lease taken for one job ends with it. A provider of the job protocol that ends
+/// leases ends it itself as the exchange ends (the requester sends no cancellation) and
+/// its receipt settles before the run returns; against a provider of the first job
+/// protocol only (an older version) the requester falls back to it and cancels, as
+/// before. Neither protocol lets a peer end someone else's lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_for_one_job_ends_with_it_on_new_and_old_providers() {
+    fn older_second(i: usize) -> gpunode_node::Misbehaviour {
+        gpunode_node::Misbehaviour {
+            first_job_protocol_only: i == 1,
+            ..Default::default()
+        }
+    }
+    let net = TestNet::providers(2)
+        .tweak(cheap_first)
+        .misbehaviour(older_second)
+        .with_clients(2)
+        .clients_see_offers(LONG)
+        .start()
+        .await
+        .expect("start");
+    let (client, mallory) = (net.client(0), net.client(1));
+    for (i, ends_itself) in [(0, true), (1, false)] {
+        let dir = tempfile::tempdir().unwrap();
+        let req = request(task("spin.wat"), dir.path()).peer(net.provider_id(i));
+        let (_, end) = run_to_end(&client.handle, req, LONG).await.unwrap();
+        let summary = end.expect("ran");
+        assert_eq!(summary.outcome, JobOutcome::Exited(7));
+        assert_eq!(summary.receipt, "settled", "provider {i}");
+        let provider = &net.provider(i).handle;
+        assert_eq!(
+            provider.metrics().leases_ended_with_job.get(),
+            u64::from(ends_itself),
+            "provider {i}"
+        );
+        let id: LeaseId = summary.lease_id.parse().unwrap();
+        let deadline = tokio::time::Instant::now() + LONG;
+        loop {
+            let provider_side = provider.leases_by_id(vec![id]).await.unwrap();
+            let client_side = client.handle.leases_by_id(vec![id]).await.unwrap();
+            let ended = [provider_side, client_side].iter().all(|r| {
+                r[0].as_ref()
+                    .is_some_and(|l| l.state == gpunode_node::lease::LeaseState::Cancelled)
+            });
+            if ended {
+                break;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "lease {id} of provider {i} not ended on both sides"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    // Someone else's lease named on the protocol that ends leases: refused, and the
+    // lease stays active.
+    let provider = net.provider(0).handle.peer_id();
+    let lease = client
+        .handle
+        .request_lease(
+            LeaseSpec::new(0, 600_000)
+                .peer(provider.to_string())
+                .cpus(1),
+        )
+        .await
+        .expect("lease");
+    let lease_id: LeaseId = lease.lease_id.parse().unwrap();
+    let submit = RequesterMsg::Submit(JobSubmit {
+        version: JOB_VERSION,
+        lease_id,
+        program: Program::Wasm {
+            module: BlobRef {
+                hash: [1; 32],
+                size: 10,
+            },
+            fuel: None,
+        },
+        inputs: vec![],
+        args: vec![],
+        env: vec![],
+        timeout_ms: 1000,
+    });
+    let protocol = gpunode_node::jobs::JOB_ENDS_LEASE_PROTOCOL;
+    match raw_submit_on(&mallory.handle, provider, protocol, frame(&submit)).await {
+        Some(ProviderMsg::Rejected(r)) => assert_eq!(r.code, JobRefusal::NotYourLease),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    let held = net
+        .provider(0)
+        .handle
+        .leases_by_id(vec![lease_id])
+        .await
+        .unwrap();
+    let state = held[0].as_ref().expect("the provider has the lease").state;
+    assert_eq!(state, gpunode_node::lease::LeaseState::Active);
+    net.shutdown().await;
+}
+
 /// Sends one raw job request and returns the provider's first answer.
 async fn raw_submit(
     from: &gpunode_node::NodeHandle,
     to: libp2p::PeerId,
     bytes: Vec<u8>,
 ) -> Option<ProviderMsg> {
-    let stream = from.open_job_stream(to).await.expect("stream");
+    raw_submit_on(from, to, gpunode_node::jobs::JOB_PROTOCOL, bytes).await
+}
+
+/// Sends one raw job request on `protocol` and returns the provider's first answer.
+async fn raw_submit_on(
+    from: &gpunode_node::NodeHandle,
+    to: libp2p::PeerId,
+    protocol: libp2p::StreamProtocol,
+    bytes: Vec<u8>,
+) -> Option<ProviderMsg> {
+    let stream = from.open_stream(to, protocol).await.expect("stream");
     let (mut r, mut w) = stream.split();
     w.write_all(&bytes).await.ok()?;
     w.flush().await.ok()?;

@@ -1,7 +1,8 @@
 //! Credits between real nodes on 127.0.0.1: every lease ends with a receipt both ledgers
 //! hold; a provider that bills more than it ran and one that returns wrong outputs are
 //! caught and ranked down while honest providers get the work; hostile receipts are
-//! refused with a reason and change nothing; the debt limit refuses with a reason.
+//! refused with a reason and change nothing; a claim waits while its job's outputs are
+//! checked; the debt limit refuses with a reason.
 
 use std::time::Duration;
 
@@ -13,8 +14,8 @@ use gpunode_node::{Misbehaviour, NodeConfig, NodeHandle};
 use gpunode_protocol::encoding;
 use gpunode_protocol::lease::LeaseId;
 use gpunode_protocol::receipt::{
-    amount_for, lease_output_digest, Claim, ClaimResult, ReceiptRefusal, SettleMsg, SettleReply,
-    UsageReceipt, RECEIPT_VERSION,
+    amount_for, job_output_digest, lease_output_digest, Claim, ClaimResult, ReceiptRefusal,
+    SettleMsg, SettleReply, UsageReceipt, RECEIPT_VERSION,
 };
 use gpunode_protocol::time::now_ms;
 use testnet::jobs::{request, run_to_end, task};
@@ -245,19 +246,51 @@ async fn exchange(stream: libp2p::Stream, msg: &SettleMsg) -> SettleReply {
     encoding::decode(&body, 1 << 20).expect("reply decodes")
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn hostile_receipts_are_refused_with_a_reason_and_change_nothing() {
+/// One provider and one client, and the provider's signing key (to forge its claims).
+async fn provider_and_client() -> (TestNet, libp2p::identity::Keypair) {
     let net = TestNet::providers(1)
         .with_clients(1)
         .start()
         .await
         .expect("start");
-    let provider = net.provider(0);
-    let key = provider
+    let key = net
+        .provider(0)
         .data_dir()
         .load_identity()
         .expect("identity")
         .expect("exists");
+    (net, key)
+}
+
+/// The receipt of a lease under `terms` that ran no job, ending now.
+fn idle_receipt(id: LeaseId, terms: &gpunode_protocol::lease::LeaseTerms) -> UsageReceipt {
+    UsageReceipt {
+        version: RECEIPT_VERSION,
+        lease_id: id,
+        provider: terms.provider,
+        requester: terms.requester,
+        gpus: 0,
+        cpus: terms.cpus,
+        mem_bytes: terms.mem_bytes,
+        start_ms: terms.start_ms,
+        end_ms: now_ms(),
+        billed_ms: 0,
+        gpu_ms: 0,
+        cpu_ms: 0,
+        jobs: 0,
+        exit_status: "none".into(),
+        output_digest: lease_output_digest(&[]),
+        price_per_gpu_hour_millicredits: terms.price_per_gpu_hour_millicredits,
+        amount_millicredits: 0,
+        issued_at_ms: now_ms(),
+        peak_gpu_memory_bytes: 0,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_receipts_are_refused_with_a_reason_and_change_nothing() {
+    let (net, key) = provider_and_client().await;
+    let provider = net.provider(0);
     let c = &net.client(0).handle;
     let spec = bare_lease(&net.provider_id(0), 60_000);
     let first = c.request_lease(spec.clone()).await.expect("lease 1");
@@ -282,27 +315,7 @@ async fn hostile_receipts_are_refused_with_a_reason_and_change_nothing() {
         .expect("ask")
         .expect("known")
         .terms;
-    let base = UsageReceipt {
-        version: RECEIPT_VERSION,
-        lease_id: second_id,
-        provider: terms.provider,
-        requester: terms.requester,
-        gpus: 0,
-        cpus: terms.cpus,
-        mem_bytes: terms.mem_bytes,
-        start_ms: terms.start_ms,
-        end_ms: now_ms(),
-        billed_ms: 0,
-        gpu_ms: 0,
-        cpu_ms: 0,
-        jobs: 0,
-        exit_status: "none".into(),
-        output_digest: lease_output_digest(&[]),
-        price_per_gpu_hour_millicredits: terms.price_per_gpu_hour_millicredits,
-        amount_millicredits: 0,
-        issued_at_ms: now_ms(),
-        peak_gpu_memory_bytes: 0,
-    };
+    let base = idle_receipt(second_id, &terms);
     let claim = |r: UsageReceipt| Claim {
         provider_sig: r.sign(&key).expect("sign"),
         receipt: r,
@@ -414,6 +427,81 @@ async fn hostile_receipts_are_refused_with_a_reason_and_change_nothing() {
         .expect("lease 2 settles honestly");
     let providers = [&provider.handle];
     assert_eq!(books_agree(c, &providers).await, 2);
+    net.shutdown().await;
+}
+
+/// A claim that comes while its lease's job is still delivering outputs here (its
+/// provider ended the lease with the job) waits until they are checked, and is then
+/// checked against them; one whose job goes on past the wait is answered "ask again",
+/// which is no dispute.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_waits_for_its_jobs_outputs_to_be_checked() {
+    let (net, key) = provider_and_client().await;
+    let provider = net.provider(0);
+    let c = &net.client(0).handle;
+    let spec = bare_lease(&net.provider_id(0), 60_000);
+    let mut claims = Vec::new();
+    for _ in 0..2 {
+        let lease = c.request_lease(spec.clone()).await.expect("lease");
+        let id: LeaseId = lease.lease_id.parse().expect("id");
+        let terms = c.lease(&id).await.expect("ask").expect("known").terms;
+        // What an honest provider claims for one job that sent no outputs.
+        let receipt = UsageReceipt {
+            jobs: 1,
+            exit_status: "exited 0".into(),
+            output_digest: lease_output_digest(&[job_output_digest(&[])]),
+            ..idle_receipt(id, &terms)
+        };
+        claims.push(Claim {
+            provider_sig: receipt.sign(&key).expect("sign"),
+            receipt,
+        });
+        // Its job is under way here, as during a download.
+        c.accounts().observed.job_started(id);
+    }
+    let score = c.accounts().reputation.score(&provider.handle.peer_id());
+    let settle = |claim: Claim| {
+        let provider = provider.handle.clone();
+        let client = c.peer_id();
+        tokio::spawn(async move {
+            let stream = provider
+                .open_stream(client, SETTLE_PROTOCOL)
+                .await
+                .expect("stream");
+            exchange(stream, &SettleMsg::Claims(vec![claim])).await
+        })
+    };
+
+    // The first job's outputs are checked 300 ms after its claim came.
+    let first = claims[0].receipt.lease_id;
+    let answer = settle(claims[0].clone());
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!answer.is_finished(), "the claim waits for the outputs");
+    let observed = &c.accounts().observed;
+    observed.add_job(first, 40, "exited 0".into(), Some(job_output_digest(&[])));
+    observed.job_ended(first);
+    match answer.await.expect("exchange") {
+        SettleReply::Results(r) => {
+            assert!(matches!(r[..], [ClaimResult::Countersigned(_)]), "{r:?}")
+        }
+        other => panic!("expected results, got {other:?}"),
+    }
+
+    // The second job never finishes here: "ask again", and no dispute.
+    match settle(claims[1].clone()).await.expect("exchange") {
+        SettleReply::Results(r) => match &r[..] {
+            [ClaimResult::Rejected(rej)] => {
+                assert_eq!(rej.code, ReceiptRefusal::RequesterError, "{rej:?}");
+            }
+            other => panic!("expected a refusal, got {other:?}"),
+        },
+        other => panic!("expected results, got {other:?}"),
+    }
+    assert_eq!(
+        c.accounts().reputation.score(&provider.handle.peer_id()),
+        score,
+        "asking again costs the provider nothing"
+    );
     net.shutdown().await;
 }
 

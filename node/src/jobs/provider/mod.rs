@@ -150,12 +150,36 @@ impl StreamHandler for JobService {
         stream: Stream,
         gate: StreamGate,
     ) -> BoxFuture<'static, ()> {
-        Box::pin(async move { self.serve_stream(peer, stream, &gate).await })
+        Box::pin(async move { self.serve_stream(peer, stream, &gate, false).await })
+    }
+}
+
+/// The job service on [`super::JOB_ENDS_LEASE_PROTOCOL`] streams: a job admitted there
+/// ends its lease when its exchange is over, however it ends.
+pub struct LeaseEndingJobs(pub Arc<JobService>);
+
+impl StreamHandler for LeaseEndingJobs {
+    fn handle(
+        self: Arc<Self>,
+        peer: PeerId,
+        stream: Stream,
+        gate: StreamGate,
+    ) -> BoxFuture<'static, ()> {
+        let service = self.0.clone();
+        Box::pin(async move { service.serve_stream(peer, stream, &gate, true).await })
     }
 }
 
 impl JobService {
-    async fn serve_stream(self: Arc<Self>, peer: PeerId, stream: Stream, gate: &StreamGate) {
+    /// Serves one job stream; with `ends_lease`, a job that was admitted (so under the
+    /// peer's own active lease) ends that lease when the exchange is over.
+    async fn serve_stream(
+        self: Arc<Self>,
+        peer: PeerId,
+        stream: Stream,
+        gate: &StreamGate,
+        ends_lease: bool,
+    ) {
         let (mut r, mut w) = AsyncReadExt::split(stream);
         let submit = match gate.first_message::<_, RequesterMsg>(&mut r).await {
             Ok(RequesterMsg::Submit(s)) => s,
@@ -196,6 +220,9 @@ impl JobService {
                 self.metrics.job_rejected(rej.code.label());
                 let _ = framing::write_message(&mut w, &ProviderMsg::Rejected(rej)).await;
                 let _ = w.close().await;
+                if ends_lease {
+                    self.end_lease(submit.lease_id).await;
+                }
                 return;
             }
         };
@@ -219,12 +246,27 @@ impl JobService {
                 "the exchange outlived its lease",
             ))
         });
+        if ends_lease {
+            self.end_lease(submit.lease_id).await;
+        }
         self.blobs.unpin(&wanted);
         self.blobs.release(sent);
         if let Err(e) = result {
             tracing::info!(%peer, lease = %submit.lease_id, "job ended early: {e}");
         }
         let _ = w.close().await;
+    }
+
+    /// Ends a lease whose only job's exchange is over (its receipt is made from here);
+    /// one that ended otherwise meanwhile is left as it is.
+    async fn end_lease(&self, lease: gpunode_protocol::lease::LeaseId) {
+        match self.client.cancel_local(lease.to_string()).await {
+            Ok(Ok(_)) => {
+                self.metrics.leases_ended_with_job.inc();
+            }
+            Ok(Err(r)) => tracing::debug!(%lease, "lease not ended after its job: {}", r.message),
+            Err(e) => tracing::warn!(%lease, "cannot end the lease after its job: {e}"),
+        }
     }
 
     /// Admits a job: a member's well-formed submission, under its own active lease

@@ -16,8 +16,8 @@ use gpunode_protocol::time::now_ms;
 use libp2p::PeerId;
 use tokio::sync::watch;
 
-use super::JOB_PROTOCOL;
 use super::{outputs, wire};
+use super::{JOB_ENDS_LEASE_PROTOCOL, JOB_PROTOCOL};
 use crate::lease::turns::{TurnWait, Turns, MIN_ASK_GAP};
 use crate::ledger::claims::ReceiptStatus;
 use crate::ledger::reputation::Outcome;
@@ -239,14 +239,35 @@ impl Requester {
         });
         let started = Instant::now();
         let watchdog = Duration::from_millis(lease.end_ms.saturating_sub(now_ms())) + ATTEMPT_GRACE;
-        let outcome =
-            tokio::time::timeout(watchdog, self.attempt(req, prepared, lease, events, cancel))
-                .await
-                .unwrap_or_else(|_| Attempt::Retry(STOPPED_ANSWERING.into()));
         let lease_key = lease.lease_id.parse::<LeaseId>().ok();
+        // The lease's receipt is checked against what this attempt observes: a claim
+        // that comes sooner (its provider ends the lease as it sends the outputs) waits.
+        let observing = lease_key.map(|id| Observing::start(&self.accounts, id));
+        let mut provider_ends_lease = false;
+        let attempt = self.attempt(
+            req,
+            prepared,
+            lease,
+            events,
+            cancel,
+            &mut provider_ends_lease,
+        );
+        let outcome = tokio::time::timeout(watchdog, attempt)
+            .await
+            .unwrap_or_else(|_| Attempt::Retry(STOPPED_ANSWERING.into()));
         self.observe(lease_key, &lease.provider, &outcome, started.elapsed());
+        drop(observing);
         if req.reservation.is_none() {
             let negotiator = self.negotiator.clone();
+            if let (true, Attempt::Done(_), Some(id)) = (provider_ends_lease, &outcome, lease_key) {
+                // Its provider ends the lease with the job: no cancellation to send.
+                tokio::spawn(async move {
+                    if let Err(e) = negotiator.end_here(&id).await {
+                        tracing::warn!(lease = %id, "cannot mark the lease ended: {e}");
+                    }
+                });
+                return outcome;
+            }
             let lease_id = lease.lease_id.clone();
             let release = async move {
                 let _ = negotiator.cancel_lease(&lease_id).await;
@@ -415,6 +436,29 @@ impl Requester {
         if let (Some(peer), Some(verdict)) = (peer, verdict) {
             accounts.reputation.record(peer, verdict);
         }
+    }
+}
+
+/// A job of a lease we hold is under way here: until this drops (after its usage is
+/// noted), claims for the lease wait for it (see `Accounts::answer_claims`).
+struct Observing {
+    accounts: Arc<crate::Accounts>,
+    lease: LeaseId,
+}
+
+impl Observing {
+    fn start(accounts: &Arc<crate::Accounts>, lease: LeaseId) -> Observing {
+        accounts.observed.job_started(lease);
+        Observing {
+            accounts: accounts.clone(),
+            lease,
+        }
+    }
+}
+
+impl Drop for Observing {
+    fn drop(&mut self) {
+        self.accounts.observed.job_ended(self.lease);
     }
 }
 

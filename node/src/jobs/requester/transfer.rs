@@ -11,8 +11,8 @@ use gpunode_protocol::lease::LeaseId;
 use libp2p::PeerId;
 use tokio::sync::watch;
 
-use super::JOB_PROTOCOL;
 use super::{outputs, wire};
+use super::{JOB_ENDS_LEASE_PROTOCOL, JOB_PROTOCOL};
 use crate::router::framing;
 use crate::LeaseView;
 
@@ -66,6 +66,7 @@ impl Requester {
         lease: &LeaseView,
         events: &mut (dyn FnMut(JobEvent) + Send),
         cancel: &mut watch::Receiver<bool>,
+        provider_ends_lease: &mut bool,
     ) -> Attempt {
         let (Ok(provider), Ok(lease_id)) = (
             lease.provider.parse::<PeerId>(),
@@ -76,12 +77,14 @@ impl Requester {
         if let Err(why) = self.direct_or_allowed(provider, req).await {
             return Attempt::OnlyRelayed(why);
         }
-        let mut control = self.control.clone();
+        let one_job = req.reservation.is_none();
         let stream =
-            match tokio::time::timeout(OPEN_TIMEOUT, control.open_stream(provider, JOB_PROTOCOL))
-                .await
+            match tokio::time::timeout(OPEN_TIMEOUT, self.open_job_stream(provider, one_job)).await
             {
-                Ok(Ok(s)) => s,
+                Ok(Ok((s, ends_lease))) => {
+                    *provider_ends_lease = ends_lease;
+                    s
+                }
                 Ok(Err(e)) => return Attempt::Retry(format!("cannot open a job stream: {e}")),
                 Err(_) => return Attempt::Retry("opening a job stream timed out".into()),
             };
@@ -119,6 +122,26 @@ impl Requester {
             Ok(()) => Attempt::Done(report),
             Err(e) => Attempt::Retry(format!("downloading outputs failed: {e}")),
         }
+    }
+
+    /// Opens the job stream to `provider`: for a lease's only job, the variant on which
+    /// the provider ends the lease with the job (true), or, where the provider does not
+    /// serve it (an older version), the first job protocol (false).
+    async fn open_job_stream(
+        &self,
+        provider: PeerId,
+        one_job: bool,
+    ) -> Result<(libp2p::Stream, bool), libp2p_stream::OpenStreamError> {
+        let mut control = self.control.clone();
+        if one_job {
+            match control.open_stream(provider, JOB_ENDS_LEASE_PROTOCOL).await {
+                Ok(s) => return Ok((s, true)),
+                Err(libp2p_stream::OpenStreamError::UnsupportedProtocol(_)) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        let s = control.open_stream(provider, JOB_PROTOCOL).await?;
+        Ok((s, false))
     }
 
     async fn upload<W: futures::AsyncWrite + Unpin>(

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use gpunode_protocol::lease::{LeaseMessage, LeaseReply, RejectCode, Renewal};
+use gpunode_protocol::lease::{LeaseId, LeaseMessage, LeaseReply, RejectCode, Renewal};
 
 use super::{LeaseError, Negotiator};
 use crate::lease::book::{LeaseRole, LeaseState, SignedRenewal};
@@ -76,6 +76,17 @@ impl Negotiator {
             Ok(LeaseReply::Rejected(r)) => Err(LeaseError::Refused(r)),
             Ok(other) => Err(LeaseError::Invalid(format!("unexpected answer {other:?}"))),
             Err(e) => Err(LeaseError::Invalid(e.to_string())),
+        }
+    }
+
+    /// Marks a lease ended here without telling the other party, for a lease whose
+    /// provider ends it by protocol (a lease's only job on the job protocol that ends
+    /// leases). A lease already over here is left as it is.
+    pub async fn end_here(&self, lease: &LeaseId) -> Result<(), LeaseError> {
+        match self.client.cancel_local(lease.to_string()).await? {
+            Ok(_) => Ok(()),
+            Err(r) if r.code == RejectCode::WrongState => Ok(()),
+            Err(r) => Err(LeaseError::Refused(r)),
         }
     }
 
