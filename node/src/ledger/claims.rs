@@ -332,10 +332,18 @@ impl Accounts {
         from: PeerId,
         claims: Vec<Claim>,
     ) -> Vec<ClaimResult> {
-        let ids = claims.iter().map(|c| c.receipt.lease_id).collect();
-        let mut leases = link.client().leases_by_id(ids).await.unwrap_or_default();
+        let ids: Vec<LeaseId> = claims.iter().map(|c| c.receipt.lease_id).collect();
+        let mut leases = link
+            .client()
+            .leases_by_id(ids.clone())
+            .await
+            .unwrap_or_default();
         leases.resize(claims.len(), None);
-        self.await_observations(&from, &claims, &leases).await;
+        if self.await_observations(&from, &claims, &leases).await {
+            // The job ended while this waited: its lease's record may have too.
+            leases = link.client().leases_by_id(ids).await.unwrap_or_default();
+            leases.resize(claims.len(), None);
+        }
         let all_signed = providers_signed_all(&from, &claims);
         let mut results: Vec<Option<ClaimResult>> = vec![None; claims.len()];
         let mut to_record = Vec::new();
@@ -375,22 +383,27 @@ impl Accounts {
     /// that `from` provides to us is still delivering here: a provider that ends the
     /// lease with its job (the job protocol that ends leases) sends the claim as the
     /// outputs arrive, and what this node observed is known only once they are checked.
+    /// Whether it waited for any.
     async fn await_observations(
         &self,
         from: &PeerId,
         claims: &[Claim],
         leases: &[Option<LeaseRecord>],
-    ) {
+    ) -> bool {
         let deadline = tokio::time::Instant::now() + OBSERVATION_WAIT;
+        let mut waited = false;
         for (claim, lease) in claims.iter().zip(leases) {
+            let id = &claim.receipt.lease_id;
             let ours = lease
                 .as_ref()
                 .is_some_and(|l| l.role == LeaseRole::Requester && l.terms.provider == *from);
-            if ours {
+            if ours && self.observed.has_running(id) {
+                waited = true;
                 let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-                self.observed.wait_idle(&claim.receipt.lease_id, left).await;
+                self.observed.wait_idle(id, left).await;
             }
         }
+        waited
     }
 
     /// One claim: the same receipt settled before gets its countersignature again; a

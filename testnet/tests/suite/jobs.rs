@@ -308,13 +308,14 @@ async fn a_lease_for_one_job_ends_with_it_on_new_and_old_providers() {
         .expect("start");
     let (client, mallory) = (net.client(0), net.client(1));
     for (i, ends_itself) in [(0, true), (1, false)] {
+        let provider = &net.provider(i).handle;
+        let messages_before = provider.metrics().lease_messages.get();
         let dir = tempfile::tempdir().unwrap();
         let req = request(task("spin.wat"), dir.path()).peer(net.provider_id(i));
         let (_, end) = run_to_end(&client.handle, req, LONG).await.unwrap();
         let summary = end.expect("ran");
         assert_eq!(summary.outcome, JobOutcome::Exited(7));
         assert_eq!(summary.receipt, "settled", "provider {i}");
-        let provider = &net.provider(i).handle;
         assert_eq!(
             provider.metrics().leases_ended_with_job.get(),
             u64::from(ends_itself),
@@ -338,6 +339,10 @@ async fn a_lease_for_one_job_ends_with_it_on_new_and_old_providers() {
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+        // The request and the accept; and a cancellation only where the provider does
+        // not end the lease itself.
+        let messages = provider.metrics().lease_messages.get() - messages_before;
+        assert_eq!(messages, if ends_itself { 2 } else { 3 }, "provider {i}");
     }
 
     // Someone else's lease named on the protocol that ends leases: refused, and the

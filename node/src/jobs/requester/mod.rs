@@ -260,13 +260,13 @@ impl Requester {
         if req.reservation.is_none() {
             let negotiator = self.negotiator.clone();
             if let (true, Attempt::Done(_), Some(id)) = (provider_ends_lease, &outcome, lease_key) {
-                // Its provider ends the lease with the job: no cancellation to send.
-                tokio::spawn(async move {
-                    if let Err(e) = negotiator.end_here(&id).await {
-                        tracing::warn!(lease = %id, "cannot mark the lease ended: {e}");
-                    }
-                });
-                return outcome;
+                // Its provider ends the lease with the job: no cancellation to send. The
+                // end is on record here before the run returns, so a provider that bills
+                // past it is refused; if it cannot be recorded, the lease is cancelled.
+                match negotiator.end_here(&id).await {
+                    Ok(()) => return outcome,
+                    Err(e) => tracing::warn!(lease = %id, "cannot mark the lease ended: {e}"),
+                }
             }
             let lease_id = lease.lease_id.clone();
             let release = async move {
