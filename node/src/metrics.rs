@@ -42,6 +42,8 @@ pub struct Metrics {
     /// Leases this provider ended as their only job's exchange ended (the requester
     /// asked for that by the protocol it opened the job on).
     pub leases_ended_with_job: Counter,
+    /// Claims sent on a settlement stream opened ahead (while their lease was ending).
+    pub settle_streams_ahead_used: Counter,
     /// Per-GPU and per-job GPU readings, and alerts.
     pub gpus: GpuGauges,
     /// Blob bytes received from requesters (modules and inputs not already cached).
@@ -135,6 +137,7 @@ impl Metrics {
         let jobs_running = Gauge::default();
         let leases_preempted = Counter::default();
         let leases_ended_with_job = Counter::default();
+        let settle_streams_ahead_used = Counter::default();
         let job_bytes_received = Counter::default();
         let job_bytes_cached = Counter::default();
         registry.register(
@@ -157,6 +160,11 @@ impl Metrics {
             "leases_ended_with_job",
             "Leases ended by this provider as their only job's exchange ended",
             leases_ended_with_job.clone(),
+        );
+        registry.register(
+            "settle_streams_ahead_used",
+            "Claims sent on a settlement stream opened while their lease was ending",
+            settle_streams_ahead_used.clone(),
         );
         registry.register(
             "job_bytes_received",
@@ -232,6 +240,7 @@ impl Metrics {
             jobs_running,
             leases_preempted,
             leases_ended_with_job,
+            settle_streams_ahead_used,
             job_bytes_received,
             job_bytes_cached,
             registry,

@@ -163,10 +163,13 @@ impl Services<'_> {
             }),
         )?;
         let link = handle.link().clone();
-        let claims = ledger::settle::run_claims(accounts.clone(), link, ended, stop.clone());
+        let ahead = Arc::new(ledger::settle::StreamsAhead::new(link.clone()));
+        let claims =
+            ledger::settle::run_claims(accounts.clone(), link, ahead.clone(), ended, stop.clone());
         tasks.push(tokio::spawn(claims));
         if opts.role == Role::Provider {
-            let service = job_service(opts, handle, self.executor, self.lease_jobs, self.team)?;
+            let parts = (self.executor, self.lease_jobs, ahead);
+            let service = job_service(opts, handle, parts, self.team)?;
             let limits = jobs::provider::JOB_STREAM_LIMITS;
             let mut variants: Vec<(libp2p::StreamProtocol, Arc<dyn router::StreamHandler>)> =
                 vec![(jobs::JOB_PROTOCOL, service.clone())];
@@ -422,14 +425,19 @@ fn route_settlement_and_team(
     Ok(())
 }
 
-/// A provider's job service: blob cache, containers where enabled, CPU slots.
+/// A provider's job service: blob cache, containers where enabled, CPU slots; `parts`
+/// are the sandbox, the jobs by lease and the settlement streams opened ahead.
 fn job_service(
     opts: &NodeOptions,
     handle: &NodeHandle,
-    executor: Arc<gpunode_sandbox::WasmExecutor>,
-    lease_jobs: &jobs::LeaseJobs,
+    parts: (
+        Arc<gpunode_sandbox::WasmExecutor>,
+        &jobs::LeaseJobs,
+        Arc<ledger::settle::StreamsAhead>,
+    ),
     team: Option<&Arc<Team>>,
 ) -> Result<Arc<jobs::provider::JobService>, NodeError> {
+    let (executor, lease_jobs, settle_ahead) = parts;
     let (config, data_dir) = (&opts.config, &opts.data_dir);
     let cores = config.cpu_cores.unwrap_or_else(host_cpu_cores).max(1);
     let blobs =
@@ -477,6 +485,7 @@ fn job_service(
         total_slots: cores,
         max_job_bytes: config.max_job_bytes,
         standings: standings::PeerStandings::new(team.cloned(), accounts),
+        settle_ahead,
     }))
 }
 

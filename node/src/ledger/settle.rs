@@ -6,7 +6,8 @@
 //! resends the very same receipt); [`run_claims`] sends claims to each requester in
 //! batches and appends the countersigned ones to the ledger. Claims a requester refuses
 //! stay as disputed claims: they count as its debt and cost it reputation; claims it does
-//! not answer are retried with backoff.
+//! not answer are retried with backoff. A claim known to be coming (a one-job lease whose
+//! outputs are out) finds its stream already open and negotiated ([`StreamsAhead`]).
 //!
 //! Requester side: [`ClaimAnswers`] (a router handler) checks each claim
 //! ([`super::checks`]), countersigns the good ones, appends them to the ledger, and
@@ -53,6 +54,70 @@ pub const SETTLE_STREAM_LIMITS: crate::router::StreamLimits = crate::router::Str
 
 /// Whether a peer may settle with this node.
 pub type IsMember = Arc<dyn Fn(&PeerId) -> bool + Send + Sync>;
+
+/// How long a settlement stream opened ahead is kept for its claim.
+const AHEAD_FRESH: Duration = Duration::from_secs(5);
+/// How long a claim waits for a stream still being opened ahead before opening its own.
+const AHEAD_WAIT: Duration = Duration::from_secs(2);
+/// Most settlement streams held open ahead at once (one per requester).
+const MAX_AHEAD: usize = 64;
+
+/// Provider side: settlement streams opened ahead of a claim known to be coming, one per
+/// requester, so the claim does not wait for a stream's protocol negotiation (a round
+/// trip) after the lease ended. A stream not used within [`AHEAD_FRESH`] is dropped.
+pub struct StreamsAhead {
+    link: PeerLink,
+    open: std::sync::Mutex<HashMap<PeerId, AheadStream>>,
+}
+
+/// A stream being opened, or opened, ahead: when it was asked for and where it arrives.
+type AheadStream = (tokio::time::Instant, tokio::sync::oneshot::Receiver<Stream>);
+
+impl StreamsAhead {
+    /// Streams opened through `link`.
+    pub fn new(link: PeerLink) -> StreamsAhead {
+        StreamsAhead {
+            link,
+            open: std::sync::Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Starts opening a settlement stream to `peer` for a claim about to be made.
+    pub fn open(&self, peer: PeerId) {
+        let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
+        open.retain(|_, (at, _)| at.elapsed() < AHEAD_FRESH);
+        if open.len() >= MAX_AHEAD && !open.contains_key(&peer) {
+            return;
+        }
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let link = self.link.clone();
+        tokio::spawn(async move {
+            if let Ok(stream) = link.open_stream(peer, SETTLE_PROTOCOL).await {
+                let _ = tx.send(stream);
+            }
+        });
+        open.insert(peer, (tokio::time::Instant::now(), rx));
+    }
+
+    /// The stream opened ahead to `peer`, if one is fresh (waiting for it while it
+    /// opens), or a new one.
+    async fn stream_to(&self, peer: PeerId) -> Result<Stream, crate::NodeError> {
+        let ahead = self
+            .open
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&peer);
+        if let Some((at, rx)) = ahead {
+            if at.elapsed() < AHEAD_FRESH {
+                if let Ok(Ok(stream)) = tokio::time::timeout(AHEAD_WAIT, rx).await {
+                    self.link.metrics().settle_streams_ahead_used.inc();
+                    return Ok(stream);
+                }
+            }
+        }
+        self.link.open_stream(peer, SETTLE_PROTOCOL).await
+    }
+}
 
 /// Requester side of settlement: answers the claims providers send (see
 /// [`SETTLE_STREAM_LIMITS`]).
@@ -120,6 +185,7 @@ async fn answer_stream(answers: &ClaimAnswers, peer: PeerId, stream: Stream) {
 pub async fn run_claims(
     accounts: Arc<Accounts>,
     link: PeerLink,
+    ahead: Arc<StreamsAhead>,
     mut ended: mpsc::Receiver<LeaseRecord>,
     mut stop: watch::Receiver<bool>,
 ) {
@@ -160,8 +226,11 @@ pub async fn run_claims(
                 let deferred: Vec<LeaseRecord> = std::mem::take(
                     &mut *accounts.deferred.lock().unwrap_or_else(|p| p.into_inner()),
                 );
-                let a = accounts.clone();
-                let _ = tokio::task::spawn_blocking(move || a.make_claims(&deferred)).await;
+                // Every job's end wakes this; most leases waited for none.
+                if !deferred.is_empty() {
+                    let a = accounts.clone();
+                    let _ = tokio::task::spawn_blocking(move || a.make_claims(&deferred)).await;
+                }
             }
             _ = retry.tick() => {}
             _ = stop.changed() => return,
@@ -173,9 +242,9 @@ pub async fn run_claims(
             }
             let claims = accounts.waiting_claims(&peer, MAX_CLAIMS_PER_MESSAGE);
             in_flight.insert(peer);
-            let (a, n, done) = (accounts.clone(), link.clone(), done_tx.clone());
+            let (a, ahead, done) = (accounts.clone(), ahead.clone(), done_tx.clone());
             tokio::spawn(async move {
-                let ok = send_claims(&a, &n, peer, claims).await;
+                let ok = send_claims(&a, &ahead, peer, claims).await;
                 let _ = done.send((peer, ok)).await;
             });
         }
@@ -185,12 +254,12 @@ pub async fn run_claims(
 /// One exchange with a requester; true when it answered.
 async fn send_claims(
     accounts: &Accounts,
-    link: &PeerLink,
+    ahead: &StreamsAhead,
     peer: PeerId,
     claims: Vec<Claim>,
 ) -> bool {
     let exchange = async {
-        let stream = link.open_stream(peer, SETTLE_PROTOCOL).await?;
+        let stream = ahead.stream_to(peer).await?;
         let (mut r, mut w) = AsyncReadExt::split(stream);
         framing::write_message(&mut w, &SettleMsg::Claims(claims.clone()))
             .await

@@ -321,6 +321,12 @@ async fn a_lease_for_one_job_ends_with_it_on_new_and_old_providers() {
             u64::from(ends_itself),
             "provider {i}"
         );
+        // Its claim went on a settlement stream opened while the lease was ending.
+        assert_eq!(
+            provider.metrics().settle_streams_ahead_used.get(),
+            u64::from(ends_itself),
+            "provider {i}"
+        );
         let id: LeaseId = summary.lease_id.parse().unwrap();
         let deadline = tokio::time::Instant::now() + LONG;
         loop {

@@ -69,6 +69,8 @@ pub struct JobService {
     pub max_job_bytes: u64,
     /// How requesters stand with this node: orders jobs waiting for CPU slots.
     pub standings: crate::standings::PeerStandings,
+    /// Settlement streams opened ahead of the claim of a lease that ends with its job.
+    pub settle_ahead: Arc<crate::ledger::settle::StreamsAhead>,
 }
 
 fn reject(code: JobRefusal, message: impl Into<String>) -> JobRejection {
@@ -247,6 +249,8 @@ impl JobService {
             ))
         });
         if ends_lease {
+            // Its claim follows the lease's end: its stream opens meanwhile.
+            self.settle_ahead.open(peer);
             self.end_lease(submit.lease_id).await;
         }
         self.blobs.unpin(&wanted);
