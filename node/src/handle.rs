@@ -59,11 +59,11 @@ impl NodeHandle {
         let negotiator = lease::negotiate::Negotiator::new(client.clone(), parts.keypair);
         NodeHandle {
             peer_id: parts.peer_id,
-            link: PeerLink::new(client, parts.control.clone(), parts.metrics),
+            link: PeerLink::new(client, parts.control.clone(), parts.metrics.clone()),
             requester: jobs::requester::Requester::new(
                 negotiator.clone(),
                 parts.accounts.clone(),
-                parts.control,
+                (parts.control, parts.metrics),
                 parts.executor,
                 parts.team.is_some(),
             )

@@ -44,6 +44,9 @@ pub struct Metrics {
     pub leases_ended_with_job: Counter,
     /// Claims sent on a settlement stream opened ahead (while their lease was ending).
     pub settle_streams_ahead_used: Counter,
+    /// Jobs this requester sent on a stream opened while their lease's acceptance
+    /// travelled.
+    pub job_streams_ahead_used: Counter,
     /// Per-GPU and per-job GPU readings, and alerts.
     pub gpus: GpuGauges,
     /// Blob bytes received from requesters (modules and inputs not already cached).
@@ -138,6 +141,7 @@ impl Metrics {
         let leases_preempted = Counter::default();
         let leases_ended_with_job = Counter::default();
         let settle_streams_ahead_used = Counter::default();
+        let job_streams_ahead_used = Counter::default();
         let job_bytes_received = Counter::default();
         let job_bytes_cached = Counter::default();
         registry.register(
@@ -165,6 +169,11 @@ impl Metrics {
             "settle_streams_ahead_used",
             "Claims sent on a settlement stream opened while their lease was ending",
             settle_streams_ahead_used.clone(),
+        );
+        registry.register(
+            "job_streams_ahead_used",
+            "Jobs sent on a stream opened while their lease's acceptance travelled",
+            job_streams_ahead_used.clone(),
         );
         registry.register(
             "job_bytes_received",
@@ -241,6 +250,7 @@ impl Metrics {
             leases_preempted,
             leases_ended_with_job,
             settle_streams_ahead_used,
+            job_streams_ahead_used,
             job_bytes_received,
             job_bytes_cached,
             registry,

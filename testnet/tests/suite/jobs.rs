@@ -315,6 +315,10 @@ async fn a_lease_for_one_job_ends_with_it_on_new_and_old_providers() {
         let (_, end) = run_to_end(&client.handle, req, LONG).await.unwrap();
         let summary = end.expect("ran");
         assert_eq!(summary.outcome, JobOutcome::Exited(7));
+        // The job went on the stream opened while the lease's acceptance travelled
+        // (on an older provider, its first job protocol).
+        let ahead = client.handle.metrics().job_streams_ahead_used.get();
+        assert_eq!(ahead, i as u64 + 1, "provider {i}");
         assert_eq!(summary.receipt, "settled", "provider {i}");
         assert_eq!(
             provider.metrics().leases_ended_with_job.get(),
@@ -380,7 +384,7 @@ async fn a_lease_for_one_job_ends_with_it_on_new_and_old_providers() {
         timeout_ms: 1000,
     });
     let protocol = gpunode_node::jobs::JOB_ENDS_LEASE_PROTOCOL;
-    match raw_submit_on(&mallory.handle, provider, protocol, frame(&submit)).await {
+    match raw_submit_on(&mallory.handle, provider, protocol.clone(), frame(&submit)).await {
         Some(ProviderMsg::Rejected(r)) => assert_eq!(r.code, JobRefusal::NotYourLease),
         other => panic!("expected a refusal, got {other:?}"),
     }
@@ -392,6 +396,25 @@ async fn a_lease_for_one_job_ends_with_it_on_new_and_old_providers() {
         .unwrap();
     let state = held[0].as_ref().expect("the provider has the lease").state;
     assert_eq!(state, gpunode_node::lease::LeaseState::Active);
+
+    // A stream opened ahead for an offer that did not become a lease carries only a
+    // Cancel: the provider closes it without an answer and counts no bad request.
+    let only_cancel = frame(&RequesterMsg::Cancel);
+    let answer = raw_submit_on(&client.handle, provider, protocol, only_cancel).await;
+    assert!(
+        answer.is_none(),
+        "no answer to a stream that brings no job: {answer:?}"
+    );
+    let metrics = net.provider(0).handle.metrics();
+    assert_eq!(
+        metrics.job_rejected_count(JobRefusal::BadRequest.label()),
+        0
+    );
+    assert_eq!(
+        metrics.leases_ended_with_job.get(),
+        1,
+        "no lease ended by it"
+    );
     net.shutdown().await;
 }
 

@@ -3,6 +3,7 @@
 //! relay stdout and stderr as they arrive, download and verify the output files, and
 //! retry on another provider when one vanishes or fails before the task ends.
 
+mod ahead;
 mod prepare;
 mod transfer;
 mod types;
@@ -68,6 +69,7 @@ pub struct Requester {
     negotiator: crate::lease::negotiate::Negotiator,
     pub(super) accounts: Arc<crate::Accounts>,
     control: libp2p_stream::Control,
+    metrics: Arc<crate::metrics::Metrics>,
     executor: Arc<gpunode_sandbox::WasmExecutor>,
     in_team: bool,
     /// Jobs waiting in providers' queues, woken when a provider says their turn came.
@@ -85,12 +87,12 @@ impl std::fmt::Debug for Requester {
 
 impl Requester {
     /// A requester negotiating with `negotiator`, paying from `accounts`, opening job
-    /// streams with `control` and compiling tasks with `executor`; `in_team` makes
-    /// jobs wait in queues by default.
+    /// streams with `control` (counting in `metrics`) and compiling tasks with
+    /// `executor`; `in_team` makes jobs wait in queues by default.
     pub fn new(
         negotiator: crate::lease::negotiate::Negotiator,
         accounts: Arc<crate::Accounts>,
-        control: libp2p_stream::Control,
+        (control, metrics): (libp2p_stream::Control, Arc<crate::metrics::Metrics>),
         executor: Arc<gpunode_sandbox::WasmExecutor>,
         in_team: bool,
     ) -> Requester {
@@ -98,6 +100,7 @@ impl Requester {
             negotiator,
             accounts,
             control,
+            metrics,
             executor,
             in_team,
             turns: Arc::default(),
@@ -156,6 +159,13 @@ impl Requester {
         // One ticket for the whole job, so providers keep its place in their queues.
         let ticket: u128 = rand::random();
         let mut waiting = WaitingRoom::new(self.turns.register(ticket));
+        // The job's stream opens while the lease's acceptance travels.
+        let ahead = ahead::StreamAhead::default();
+        let relayed_ok = self.relayed_data || req.allow_relayed_data;
+        let open_ahead = |provider: PeerId| {
+            let client = self.negotiator.loop_client();
+            ahead.open(&self.control, client, provider, relayed_ok);
+        };
         loop {
             attempt += 1;
             if *cancel.borrow() {
@@ -168,7 +178,7 @@ impl Requester {
                     .map_err(LeaseError::Invalid),
                 None => {
                     let spec = lease_spec(req, &exclude, wait.then_some(ticket));
-                    self.negotiator.request_lease(spec).await
+                    self.negotiator.request_lease_and(spec, &open_ahead).await
                 }
             };
             let lease = match asked {
@@ -191,7 +201,7 @@ impl Requester {
             };
             let started = Instant::now();
             let outcome = self
-                .run_on_lease(req, prepared, &lease, events, cancel)
+                .run_on_lease(req, prepared, &lease, (events, cancel), &ahead)
                 .await;
             match outcome {
                 Attempt::Done(report) => {
@@ -229,8 +239,11 @@ impl Requester {
         req: &JobRequest,
         prepared: &Prepared,
         lease: &LeaseView,
-        events: &mut (dyn FnMut(JobEvent) + Send),
-        cancel: &mut watch::Receiver<bool>,
+        (events, cancel): (
+            &mut (dyn FnMut(JobEvent) + Send),
+            &mut watch::Receiver<bool>,
+        ),
+        ahead: &ahead::StreamAhead,
     ) -> Attempt {
         events(JobEvent::Leased {
             provider: lease.provider.clone(),
@@ -250,7 +263,7 @@ impl Requester {
             lease,
             events,
             cancel,
-            &mut provider_ends_lease,
+            (ahead, &mut provider_ends_lease),
         );
         let outcome = tokio::time::timeout(watchdog, attempt)
             .await

@@ -16,6 +16,7 @@ use super::{JOB_ENDS_LEASE_PROTOCOL, JOB_PROTOCOL};
 use crate::router::framing;
 use crate::LeaseView;
 
+use super::ahead::StreamAhead;
 use super::prepare::{LocalFile, Prepared};
 use super::types::*;
 use super::*;
@@ -66,7 +67,7 @@ impl Requester {
         lease: &LeaseView,
         events: &mut (dyn FnMut(JobEvent) + Send),
         cancel: &mut watch::Receiver<bool>,
-        provider_ends_lease: &mut bool,
+        (ahead, provider_ends_lease): (&StreamAhead, &mut bool),
     ) -> Attempt {
         let (Ok(provider), Ok(lease_id)) = (
             lease.provider.parse::<PeerId>(),
@@ -78,16 +79,23 @@ impl Requester {
             return Attempt::OnlyRelayed(why);
         }
         let one_job = req.reservation.is_none();
-        let stream =
-            match tokio::time::timeout(OPEN_TIMEOUT, self.open_job_stream(provider, one_job)).await
-            {
-                Ok(Ok((s, ends_lease))) => {
-                    *provider_ends_lease = ends_lease;
-                    s
+        let opening = async {
+            match ahead.take(provider).await {
+                Some(opened) => {
+                    self.metrics.job_streams_ahead_used.inc();
+                    Ok(opened)
                 }
-                Ok(Err(e)) => return Attempt::Retry(format!("cannot open a job stream: {e}")),
-                Err(_) => return Attempt::Retry("opening a job stream timed out".into()),
-            };
+                None => open_job_stream(self.control.clone(), provider, one_job).await,
+            }
+        };
+        let stream = match tokio::time::timeout(OPEN_TIMEOUT, opening).await {
+            Ok(Ok((s, ends_lease))) => {
+                *provider_ends_lease = ends_lease;
+                s
+            }
+            Ok(Err(e)) => return Attempt::Retry(format!("cannot open a job stream: {e}")),
+            Err(_) => return Attempt::Retry("opening a job stream timed out".into()),
+        };
         let (mut r, mut w) = AsyncReadExt::split(stream);
         let submit = prepared.submit(req, lease_id);
         let lost = |e: std::io::Error| Attempt::Retry(format!("the provider went away: {e}"));
@@ -122,26 +130,6 @@ impl Requester {
             Ok(()) => Attempt::Done(report),
             Err(e) => Attempt::Retry(format!("downloading outputs failed: {e}")),
         }
-    }
-
-    /// Opens the job stream to `provider`: for a lease's only job, the variant on which
-    /// the provider ends the lease with the job (true), or, where the provider does not
-    /// serve it (an older version), the first job protocol (false).
-    async fn open_job_stream(
-        &self,
-        provider: PeerId,
-        one_job: bool,
-    ) -> Result<(libp2p::Stream, bool), libp2p_stream::OpenStreamError> {
-        let mut control = self.control.clone();
-        if one_job {
-            match control.open_stream(provider, JOB_ENDS_LEASE_PROTOCOL).await {
-                Ok(s) => return Ok((s, true)),
-                Err(libp2p_stream::OpenStreamError::UnsupportedProtocol(_)) => {}
-                Err(e) => return Err(e),
-            }
-        }
-        let s = control.open_stream(provider, JOB_PROTOCOL).await?;
-        Ok((s, false))
     }
 
     async fn upload<W: futures::AsyncWrite + Unpin>(
@@ -313,4 +301,23 @@ where
             Err(e) => return Err(Attempt::Retry(format!("the provider went away: {e}"))),
         }
     }
+}
+
+/// Opens the job stream to `provider`: for a lease's only job, the variant on which the
+/// provider ends the lease with the job (true), or, where the provider does not serve it
+/// (an older version), the first job protocol (false).
+pub(super) async fn open_job_stream(
+    mut control: libp2p_stream::Control,
+    provider: PeerId,
+    one_job: bool,
+) -> Result<(libp2p::Stream, bool), libp2p_stream::OpenStreamError> {
+    if one_job {
+        match control.open_stream(provider, JOB_ENDS_LEASE_PROTOCOL).await {
+            Ok(s) => return Ok((s, true)),
+            Err(libp2p_stream::OpenStreamError::UnsupportedProtocol(_)) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    let s = control.open_stream(provider, JOB_PROTOCOL).await?;
+    Ok((s, false))
 }

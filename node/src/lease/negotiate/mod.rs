@@ -152,6 +152,17 @@ impl Negotiator {
 
     /// Finds a provider (or asks the named one), negotiates and records a lease.
     pub async fn request_lease(&self, spec: LeaseSpec) -> Result<LeaseView, LeaseError> {
+        self.request_lease_and(spec, &|_| {}).await
+    }
+
+    /// As [`Negotiator::request_lease`], calling `accepting` with the provider each time
+    /// an offer is accepted, before the provider answers: the caller can get ready for
+    /// a lease there meanwhile (a job's stream opens while the acceptance travels).
+    pub async fn request_lease_and(
+        &self,
+        spec: LeaseSpec,
+        accepting: &(dyn Fn(PeerId) + Send + Sync),
+    ) -> Result<LeaseView, LeaseError> {
         let max_price = price_limit(&spec)?;
         let candidates: Vec<Candidate> = self
             .candidates(&spec, max_price)
@@ -162,7 +173,8 @@ impl Negotiator {
         if candidates.is_empty() {
             return Err(LeaseError::NoProviders(describe(&spec)));
         }
-        self.ask_in_turn(candidates, &spec, max_price).await
+        self.ask_in_turn(candidates, &spec, max_price, accepting)
+            .await
     }
 
     /// Asks each candidate in turn until one grants the lease; otherwise says who
@@ -172,6 +184,7 @@ impl Negotiator {
         candidates: Vec<Candidate>,
         spec: &LeaseSpec,
         max_price: Option<u64>,
+        accepting: &(dyn Fn(PeerId) + Send + Sync),
     ) -> Result<LeaseView, LeaseError> {
         let mut refusals = Vec::new();
         let mut queued = Vec::new();
@@ -185,7 +198,10 @@ impl Negotiator {
                 (Some(m), Some(a)) => Some(m.min(a)),
                 (m, a) => m.or(a),
             };
-            match self.negotiate_with(peer, addrs, spec, max_price).await? {
+            match self
+                .negotiate_with(peer, addrs, spec, max_price, accepting)
+                .await?
+            {
                 Ok(view) => return Ok(view),
                 Err(NotGranted::Refused(why)) => refusals.push((peer.to_string(), why)),
                 Err(NotGranted::Queued(place)) => queued.push((peer.to_string(), place)),
@@ -202,14 +218,15 @@ impl Negotiator {
         })
     }
 
-    /// Negotiates with one provider: the request, its offer checked, our acceptance,
-    /// and the lease recorded.
+    /// Negotiates with one provider: the request, its offer checked, our acceptance
+    /// (`accepting` told as it goes out), and the lease recorded.
     async fn negotiate_with(
         &self,
         peer: PeerId,
         addrs: Vec<Multiaddr>,
         spec: &LeaseSpec,
         max_price: Option<u64>,
+        accepting: &(dyn Fn(PeerId) + Send + Sync),
     ) -> Result<Result<LeaseView, NotGranted>, NodeError> {
         let req = self.lease_request(spec, max_price);
         let (terms, provider_sig) = match self.ask_offer(peer, addrs.clone(), &req).await? {
@@ -222,6 +239,7 @@ impl Negotiator {
                 r.message
             ))));
         }
+        accepting(peer);
         let requester_sig = match self.accept(peer, addrs, &terms, &provider_sig).await? {
             Ok(sig) => sig,
             Err(not) => return Ok(Err(not)),
