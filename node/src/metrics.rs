@@ -42,7 +42,8 @@ pub struct Metrics {
     /// Leases this provider ended as their only job's exchange ended (the requester
     /// asked for that by the protocol it opened the job on).
     pub leases_ended_with_job: Counter,
-    /// Claims sent on a settlement stream opened ahead (while their lease was ending).
+    /// Claim exchanges sent on a settlement stream opened ahead (while a lease was
+    /// ending).
     pub settle_streams_ahead_used: Counter,
     /// Jobs this requester sent on a stream opened while their lease's acceptance
     /// travelled.
@@ -167,7 +168,7 @@ impl Metrics {
         );
         registry.register(
             "settle_streams_ahead_used",
-            "Claims sent on a settlement stream opened while their lease was ending",
+            "Claim exchanges sent on a settlement stream opened while a lease was ending",
             settle_streams_ahead_used.clone(),
         );
         registry.register(

@@ -67,7 +67,7 @@ const MAX_AHEAD: usize = 64;
 /// trip) after the lease ended. A stream not used within [`AHEAD_FRESH`] is dropped.
 pub struct StreamsAhead {
     link: PeerLink,
-    open: std::sync::Mutex<HashMap<PeerId, AheadStream>>,
+    open: Arc<std::sync::Mutex<HashMap<PeerId, AheadStream>>>,
 }
 
 /// A stream being opened, or opened, ahead: when it was asked for and where it arrives.
@@ -78,7 +78,7 @@ impl StreamsAhead {
     pub fn new(link: PeerLink) -> StreamsAhead {
         StreamsAhead {
             link,
-            open: std::sync::Mutex::new(HashMap::new()),
+            open: Arc::default(),
         }
     }
 
@@ -90,13 +90,20 @@ impl StreamsAhead {
             return;
         }
         let (tx, rx) = tokio::sync::oneshot::channel();
-        let link = self.link.clone();
+        let (link, held) = (self.link.clone(), self.open.clone());
+        let asked = tokio::time::Instant::now();
         tokio::spawn(async move {
             if let Ok(stream) = link.open_stream(peer, SETTLE_PROTOCOL).await {
                 let _ = tx.send(stream);
             }
+            // Unused by then: dropped, which closes it.
+            tokio::time::sleep_until(asked + AHEAD_FRESH).await;
+            let mut held = held.lock().unwrap_or_else(|p| p.into_inner());
+            if held.get(&peer).is_some_and(|(at, _)| *at == asked) {
+                held.remove(&peer);
+            }
         });
-        open.insert(peer, (tokio::time::Instant::now(), rx));
+        open.insert(peer, (asked, rx));
     }
 
     /// The stream opened ahead to `peer`, if one is fresh (waiting for it while it
@@ -135,13 +142,21 @@ impl crate::router::StreamHandler for ClaimAnswers {
         self: Arc<Self>,
         peer: PeerId,
         stream: Stream,
-        _gate: crate::router::StreamGate,
+        gate: crate::router::StreamGate,
     ) -> futures::future::BoxFuture<'static, ()> {
-        Box::pin(async move { answer_stream(&self, peer, stream).await })
+        Box::pin(async move { answer_stream(&self, peer, stream, &gate).await })
     }
 }
 
-async fn answer_stream(answers: &ClaimAnswers, peer: PeerId, stream: Stream) {
+/// Answers each batch of claims on `stream`; the first must come within the gate's
+/// deadline (a stream opened ahead, or by a peer that sends nothing, does not keep a
+/// handler for the whole exchange's time).
+async fn answer_stream(
+    answers: &ClaimAnswers,
+    peer: PeerId,
+    stream: Stream,
+    gate: &crate::router::StreamGate,
+) {
     let (accounts, link) = (&answers.accounts, &answers.link);
     let (mut r, mut w) = AsyncReadExt::split(stream);
     if !(answers.is_member)(&peer) {
@@ -149,8 +164,14 @@ async fn answer_stream(answers: &ClaimAnswers, peer: PeerId, stream: Stream) {
         let _ = w.close().await;
         return;
     }
+    let mut first = true;
     loop {
-        let reply = match framing::read_message::<_, SettleMsg>(&mut r).await {
+        let read = if std::mem::take(&mut first) {
+            gate.first_message::<_, SettleMsg>(&mut r).await
+        } else {
+            framing::read_message::<_, SettleMsg>(&mut r).await
+        };
+        let reply = match read {
             Ok(SettleMsg::Claims(claims)) if claims.len() > MAX_CLAIMS_PER_MESSAGE => {
                 SettleReply::Refused(ReceiptRejection::new(
                     ReceiptRefusal::Invalid,
@@ -161,6 +182,8 @@ async fn answer_stream(answers: &ClaimAnswers, peer: PeerId, stream: Stream) {
                 SettleReply::Results(accounts.answer_claims(link, peer, claims).await)
             }
             Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => break,
+            // Silent past the deadline (counted by the gate).
+            Err(e) if e.kind() == std::io::ErrorKind::TimedOut => break,
             Err(e) => {
                 link.metrics().receipt_rejected("malformed");
                 SettleReply::Refused(ReceiptRejection::new(

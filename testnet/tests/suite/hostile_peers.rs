@@ -413,6 +413,40 @@ mod attacks {
         net.shutdown().await;
     }
 
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_silent_settlement_stream_is_dropped_at_the_first_message_deadline() {
+        let net = TestNet::providers(1)
+            .with_clients(1)
+            .start()
+            .await
+            .expect("start");
+        // A peer opens a settlement stream (as a provider does ahead of a claim) and
+        // never sends anything on it.
+        let answering = net.provider(0).handle.clone();
+        let silent = net.client(0).handle.clone();
+        let protocol = gpunode_node::ledger::settle::SETTLE_PROTOCOL;
+        let mut stream = silent
+            .open_stream(answering.peer_id(), protocol)
+            .await
+            .expect("stream");
+        // The node answering claims closes it at the first-message deadline (10 s), not
+        // at the end of a whole exchange's time (20 s), and counts it.
+        let mut byte = [0u8; 1];
+        let closed = tokio::time::timeout(
+            Duration::from_secs(15),
+            futures::AsyncReadExt::read(&mut stream, &mut byte),
+        )
+        .await;
+        assert!(
+            matches!(closed, Ok(Ok(0)) | Ok(Err(_))),
+            "the silent stream is closed within 15 s: {closed:?}"
+        );
+        let metrics = answering.metrics();
+        assert_eq!(metrics.stream_refused_count("settle", "silent"), 1);
+        assert_eq!(metrics.receipt_rejected_count("malformed"), 0);
+        net.shutdown().await;
+    }
+
     fn evil_first(i: usize) -> Misbehaviour {
         match i {
             0 => Misbehaviour {

@@ -76,15 +76,35 @@ impl StreamAhead {
         }
     }
 
-    /// The stream opened ahead to `provider` within [`FRESH`], once it is open; `None`
-    /// when none was (the caller opens its own).
+    /// The stream opened ahead to `provider`, once it is open, if that is within
+    /// [`FRESH`] of asking; `None` when there is none (the caller opens its own).
     pub(super) async fn take(&self, provider: PeerId) -> Option<(Stream, bool)> {
-        let opening = self.slot.lock().unwrap_or_else(|p| p.into_inner()).take()?;
-        if opening.provider != provider || opening.at.elapsed() > FRESH {
-            opening.discard();
-            return None;
+        let mut opening = self.clear_if(|o| o.provider == provider)?;
+        let left = FRESH.saturating_sub(opening.at.elapsed());
+        match tokio::time::timeout(left, &mut opening.stream).await {
+            Ok(Ok(opened)) => Some(opened),
+            Ok(Err(_)) => None,
+            Err(_) => {
+                opening.discard();
+                None
+            }
         }
-        opening.stream.await.ok()
+    }
+
+    /// Closes the stream opened ahead, if any: its offer did not become a lease.
+    pub(super) fn clear(&self) {
+        self.clear_if(|_| false);
+    }
+
+    /// Takes the opening out of the slot and returns it if `keep` says so; otherwise
+    /// discards it.
+    fn clear_if(&self, keep: impl FnOnce(&Opening) -> bool) -> Option<Opening> {
+        let opening = self.slot.lock().unwrap_or_else(|p| p.into_inner()).take()?;
+        if keep(&opening) {
+            return Some(opening);
+        }
+        opening.discard();
+        None
     }
 }
 

@@ -181,6 +181,11 @@ impl Requester {
                     self.negotiator.request_lease_and(spec, &open_ahead).await
                 }
             };
+            if asked.is_err() {
+                // Accepted offers that did not become a lease: no job comes on their
+                // streams (before any wait in queues).
+                ahead.clear();
+            }
             let lease = match asked {
                 Ok(l) => {
                     waiting.withdraw_elsewhere(&l.provider, &self.control);

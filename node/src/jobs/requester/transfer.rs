@@ -79,16 +79,19 @@ impl Requester {
             return Attempt::OnlyRelayed(why);
         }
         let one_job = req.reservation.is_none();
-        let opening = async {
-            match ahead.take(provider).await {
-                Some(opened) => {
-                    self.metrics.job_streams_ahead_used.inc();
-                    Ok(opened)
-                }
-                None => open_job_stream(self.control.clone(), provider, one_job).await,
+        // The stream opened ahead (waited for within its freshness), else a new one
+        // with the whole of OPEN_TIMEOUT.
+        let opened = match ahead.take(provider).await {
+            Some(opened) => {
+                self.metrics.job_streams_ahead_used.inc();
+                Ok(Ok(opened))
+            }
+            None => {
+                let opening = open_job_stream(self.control.clone(), provider, one_job);
+                tokio::time::timeout(OPEN_TIMEOUT, opening).await
             }
         };
-        let stream = match tokio::time::timeout(OPEN_TIMEOUT, opening).await {
+        let stream = match opened {
             Ok(Ok((s, ends_lease))) => {
                 *provider_ends_lease = ends_lease;
                 s
