@@ -198,9 +198,16 @@ async fn the_job_stops_when_its_lease_ends() {
         .metrics()
         .encode()
         .contains("gpunode_jobs_run_total{outcome=\"cancelled\"} 1"));
+    // Removed on a blocking thread after the exchange.
     let jobs_dir = provider.data_dir().jobs_dir();
-    let left = std::fs::read_dir(&jobs_dir).map(|d| d.count()).unwrap_or(0);
-    assert_eq!(left, 0, "job directory cleaned up");
+    let deadline = tokio::time::Instant::now() + LONG;
+    while std::fs::read_dir(&jobs_dir).map_or(0, |d| d.count()) > 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "job directory not cleaned up"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 
     // A user's cancel works the same way.
     let (view, mut from) = start_spinning_forever(client, dir.path()).await;

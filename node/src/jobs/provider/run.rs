@@ -475,9 +475,20 @@ impl JobDir {
 }
 
 impl Drop for JobDir {
+    /// Removed on a blocking thread where there is a runtime: a job's outputs can be
+    /// many files, and the exchange's end (its lease's end, its receipt) does not wait
+    /// for them. A node that stops first leaves the directory to its next start, which
+    /// clears the jobs directory.
     fn drop(&mut self) {
-        if let Err(e) = std::fs::remove_dir_all(&self.0) {
-            tracing::warn!("cannot remove job directory {}: {e}", self.0.display());
+        let dir = std::mem::take(&mut self.0);
+        let remove = move || {
+            if let Err(e) = std::fs::remove_dir_all(&dir) {
+                tracing::warn!("cannot remove job directory {}: {e}", dir.display());
+            }
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => drop(runtime.spawn_blocking(remove)),
+            Err(_) => remove(),
         }
     }
 }
