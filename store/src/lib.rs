@@ -252,6 +252,71 @@ mod tests {
         assert_eq!(s.next_counter("t", b"seq", 100).expect("inc"), 100);
     }
 
+    /// Every write acknowledged by `put_durable`, from several threads flushing at once,
+    /// is there after the writing process is killed (SIGKILL) mid-stream. (sled is
+    /// vendored so that a flush writes on the flushing thread: vendor/README.md.)
+    #[test]
+    fn acknowledged_writes_survive_a_kill_of_the_writer() {
+        const CHILD_DIR: &str = "GPUNODE_STORE_CRASH_DIR";
+        if let Ok(dir) = std::env::var(CHILD_DIR) {
+            // The writer: four threads write and flush for ever, and print each key
+            // once its write is acknowledged.
+            let store = Store::open(Path::new(&dir)).expect("child open");
+            let threads: Vec<_> = (0..4u8)
+                .map(|t| {
+                    let store = store.clone();
+                    std::thread::spawn(move || {
+                        for i in 0u32.. {
+                            let key = format!("{t}-{i}");
+                            store
+                                .put_durable("crash", key.as_bytes(), &[t; 300])
+                                .expect("child write");
+                            println!("{key}");
+                        }
+                    })
+                })
+                .collect();
+            for t in threads {
+                let _ = t.join();
+            }
+            return;
+        }
+        use std::io::BufRead;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut child = std::process::Command::new(std::env::current_exe().expect("exe"))
+            .args([
+                "--exact",
+                "tests::acknowledged_writes_survive_a_kill_of_the_writer",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(CHILD_DIR, dir.path())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("spawn the writer");
+        let mut acked = Vec::new();
+        for line in std::io::BufReader::new(child.stdout.take().expect("stdout")).lines() {
+            let line = line.expect("line");
+            if line.contains('-') && !line.contains(' ') {
+                acked.push(line);
+            }
+            if acked.len() >= 2_000 {
+                break;
+            }
+        }
+        child.kill().expect("kill the writer");
+        let _ = child.wait();
+        assert_eq!(acked.len(), 2_000, "the writer stopped early");
+        let store = Store::open(dir.path()).expect("reopen after the kill");
+        for key in &acked {
+            assert!(
+                store.get("crash", key.as_bytes()).expect("read").is_some(),
+                "acknowledged write {key} lost"
+            );
+        }
+    }
+
     #[test]
     fn second_open_reports_lock() {
         let dir = tempfile::tempdir().expect("tempdir");

@@ -125,6 +125,19 @@ impl LeaseBook {
         v
     }
 
+    /// Leases that hold resources (offered, active, reserved), newest start first: what
+    /// [`LeaseBook::all`] filtered by `holds_resources` gives, without walking the ended
+    /// records the book keeps for their retention (thousands on a busy provider).
+    pub fn live(&self) -> Vec<&LeaseRecord> {
+        let mut v: Vec<&LeaseRecord> = self
+            .deadlines
+            .iter()
+            .filter_map(|(_, id)| self.leases.get(id))
+            .collect();
+        v.sort_by_key(|l| std::cmp::Reverse(l.terms.start_ms));
+        v
+    }
+
     /// Finds the lease whose id starts with `prefix` (hex), if exactly one does.
     pub fn resolve(&self, prefix: &str) -> Result<LeaseId, LeaseOpError> {
         let prefix = prefix.trim().to_ascii_lowercase();

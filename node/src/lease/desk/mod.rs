@@ -421,9 +421,9 @@ impl LeaseDesk {
     pub fn cancel_peer(&mut self, peer: &PeerId, now: UnixMillis) -> Effects {
         let ids: Vec<String> = self
             .book
-            .all()
+            .live()
             .into_iter()
-            .filter(|l| l.peer() == *peer && l.state.holds_resources())
+            .filter(|l| l.peer() == *peer)
             .map(|l| l.terms.lease_id.to_string())
             .collect();
         self.tracked(now, |desk, effects| {

@@ -37,9 +37,17 @@ impl LeaseDesk {
     /// Applies the owner's policy to every active lease this node provides, given the
     /// GPUs (by uuid) the owner uses now.
     pub fn enforce_owner_policy(&mut self, owner_busy: &HashSet<&str>, now: UnixMillis) -> Effects {
+        let owner = &self.owner;
+        if owner.policy == OwnerPolicy::Share
+            || (owner_busy.is_empty() && owner.seen.is_empty() && owner.suspended.is_empty())
+        {
+            // Nothing to start or undo: every lease would be left as it is. This runs at
+            // every timer wake-up (each lease's end), so it must not walk the leases.
+            return self.tracked(now, |_, _| {}).1;
+        }
         let leases: Vec<(LeaseId, bool)> = self
             .book
-            .all()
+            .live()
             .into_iter()
             .filter(|l| l.role == LeaseRole::Provider && l.state == LeaseState::Active)
             .map(|l| {

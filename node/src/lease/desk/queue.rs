@@ -326,7 +326,7 @@ impl LeaseDesk {
         standings: &dyn Standings,
     ) -> Vec<(i32, std::cmp::Reverse<u64>, LeaseId, u32)> {
         self.book
-            .all()
+            .live()
             .into_iter()
             .filter(|l| l.role == LeaseRole::Provider && l.state == LeaseState::Active)
             .filter_map(|l| {
