@@ -410,6 +410,17 @@ impl NodeHandle {
         self.jobs.events(prefix, from, wait).await
     }
 
+    /// Like [`NodeHandle::job_events`], not woken by events of the kinds in `skip`.
+    pub async fn job_events_skipping(
+        &self,
+        prefix: &str,
+        from: usize,
+        wait: Duration,
+        skip: &jobs::table::Skip,
+    ) -> Result<jobs::table::EventPage, jobs::table::JobLookupError> {
+        self.jobs.events_skipping(prefix, from, wait, skip).await
+    }
+
     /// The node's status.
     pub async fn status(&self) -> Result<NodeStatus, NodeError> {
         let mut status = self.link.client().status().await?;

@@ -7,7 +7,7 @@ use std::io::{IsTerminal, Write};
 use std::time::Duration;
 
 use anyhow::Result;
-use gpunode_node::jobs::table::EventPage;
+use gpunode_node::jobs::table::{EventPage, Skip};
 use gpunode_node::jobs::{JobEvent, JobRequest, JobSummary, JobView};
 use gpunode_protocol::job::JobOutcome;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -29,21 +29,31 @@ impl Target {
         })
     }
 
-    /// A job's events from `from` on, waiting up to `wait_ms` for a new one.
-    pub async fn events(&self, id: &str, from: usize, wait_ms: u64) -> Result<EventPage> {
+    /// A job's events from `from` on, waiting up to `wait_ms` for a new one of a kind
+    /// not in `skip` (comma-separated kinds, `""` for none; a daemon too old to know
+    /// `skip` wakes for every event).
+    pub async fn events(
+        &self,
+        id: &str,
+        from: usize,
+        wait_ms: u64,
+        skip: &str,
+    ) -> Result<EventPage> {
         Ok(match self {
             Target::Daemon(c) => {
                 c.get_json(&format!(
-                    "/v1/jobs/{}/events?from={from}&wait_ms={wait_ms}",
+                    "/v1/jobs/{}/events?from={from}&wait_ms={wait_ms}&skip={skip}",
                     url_segment(id)
                 ))
                 .await?
             }
-            Target::Local(node) => node
-                .handle
-                .job_events(id, from, Duration::from_millis(wait_ms))
-                .await
-                .map_err(anyhow::Error::msg)?,
+            Target::Local(node) => {
+                let skip = Skip::parse(skip).map_err(anyhow::Error::msg)?;
+                node.handle
+                    .job_events_skipping(id, from, Duration::from_millis(wait_ms), &skip)
+                    .await
+                    .map_err(anyhow::Error::msg)?
+            }
         })
     }
 
@@ -123,12 +133,19 @@ pub async fn follow(
         enabled: !quiet && std::io::stderr().is_terminal(),
         bars: HashMap::new(),
     };
+    // Kinds `print_events` shows nothing for here: no wake-up, and no new request,
+    // for each (they arrive with the next page).
+    let skip = match (quiet, bars.enabled) {
+        (true, _) => "leased,started,progress",
+        (false, false) => "started,progress",
+        (false, true) => "started",
+    };
     let mut from = 0;
     let mut interrupted = false;
     let mut ctrl_c = Box::pin(tokio::signal::ctrl_c());
     loop {
         let page = tokio::select! {
-            p = target.events(job_id, from, POLL_WAIT_MS) => Some(p?),
+            p = target.events(job_id, from, POLL_WAIT_MS, skip) => Some(p?),
             _ = &mut ctrl_c, if cancel_on_interrupt => None,
         };
         let Some(page) = page else {

@@ -39,7 +39,7 @@ pub async fn logs(data_dir: DataDir, args: LogsArgs) -> Result<ExitCode> {
     }
     let mut from = 0;
     loop {
-        let page = target.events(&args.job, from, 0).await?;
+        let page = target.events(&args.job, from, 0, "").await?;
         let mut out = std::io::stdout().lock();
         let mut err = std::io::stderr().lock();
         for event in &page.events {

@@ -263,6 +263,20 @@ impl JobTable {
         from: usize,
         wait: Duration,
     ) -> Result<EventPage, JobLookupError> {
+        self.events_skipping(prefix, from, wait, &Skip::none())
+            .await
+    }
+
+    /// Like [`JobTable::events`], but events of the kinds in `skip` do not end the wait
+    /// by themselves: they come with the page that a later event, the job's end or the
+    /// deadline returns.
+    pub async fn events_skipping(
+        &self,
+        prefix: &str,
+        from: usize,
+        wait: Duration,
+        skip: &Skip,
+    ) -> Result<EventPage, JobLookupError> {
         let mut changed = {
             let map = self.lock();
             let id = resolve(&map, prefix)?;
@@ -276,22 +290,69 @@ impl JobTable {
                 let e = &map[&id];
                 let total = e.offset + e.events.len();
                 let final_state = e.view.state.is_final();
-                if from < total || final_state {
-                    let start = from.saturating_sub(e.offset).min(e.events.len());
-                    return Ok(EventPage {
-                        events: e.events[start..].to_vec(),
-                        next: total,
-                        done: final_state,
+                let start = from.saturating_sub(e.offset).min(e.events.len());
+                let page = |e: &Entry| EventPage {
+                    events: e.events[start..].to_vec(),
+                    next: total,
+                    done: final_state,
+                };
+                if final_state || e.events[start..].iter().any(|ev| skip.wakes(ev)) {
+                    return Ok(page(e));
+                }
+                if tokio::time::Instant::now() >= deadline {
+                    // What was skipped comes now (an empty page when nothing came).
+                    return Ok(if from < total {
+                        page(e)
+                    } else {
+                        EventPage {
+                            events: Vec::new(),
+                            next: from,
+                            done: false,
+                        }
                     });
                 }
             }
             tokio::select! {
                 r = changed.changed() => if r.is_err() { return Err(JobLookupError::Closed) },
-                _ = tokio::time::sleep_until(deadline) => {
-                    return Ok(EventPage { events: Vec::new(), next: from, done: false });
-                }
+                _ = tokio::time::sleep_until(deadline) => {}
             }
         }
+    }
+}
+
+/// Kinds of job event that do not wake a follower by themselves (`leased`, `started`,
+/// ...): one that prints nothing for them is not woken, and does not ask again, for
+/// each; they still come with the next page.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Skip(Vec<&'static str>);
+
+impl Skip {
+    /// Every event wakes.
+    pub fn none() -> Skip {
+        Skip(Vec::new())
+    }
+
+    /// From a comma-separated list of kinds (`leased,started`); empty for none. An
+    /// unknown kind is an error that lists the known ones.
+    pub fn parse(list: &str) -> Result<Skip, String> {
+        let mut kinds = Vec::new();
+        for name in list.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+            let Some(kind) = JobEvent::KINDS.iter().find(|k| **k == name) else {
+                return Err(format!(
+                    "unknown event kind '{name}' in skip (known: {})",
+                    JobEvent::KINDS.join(", ")
+                ));
+            };
+            if !kinds.contains(kind) {
+                kinds.push(*kind);
+            }
+        }
+        Ok(Skip(kinds))
+    }
+
+    /// Whether `event` ends a wait.
+    fn wakes(&self, event: &JobEvent) -> bool {
+        !self.0.contains(&event.kind())
     }
 }
 
@@ -397,6 +458,126 @@ mod tests {
             table.events("nope", 0, Duration::from_secs(1)).await.err(),
             Some(JobLookupError::Unknown("nope".into()))
         );
+    }
+
+    /// In paused time: events of skipped kinds do not end a follower's wait; they come
+    /// with the next event that does, or at the deadline.
+    #[tokio::test(start_paused = true)]
+    async fn skipped_kinds_come_with_the_next_page_and_do_not_wake_a_follower() {
+        let table = JobTable::default();
+        let (id, _cancel) = table.insert(&request());
+        let skip = Skip::parse("leased, started").expect("skip");
+        table.push(
+            &id,
+            JobEvent::Started {
+                provider: "p".into(),
+            },
+        );
+        // Only a skipped event so far: the wait runs to its deadline, then brings it.
+        let asked = tokio::time::Instant::now();
+        let page = table
+            .events_skipping(&id, 0, Duration::from_secs(5), &skip)
+            .await
+            .expect("events");
+        assert_eq!(asked.elapsed(), Duration::from_secs(5));
+        assert_eq!(page.events.len(), 1);
+        assert_eq!(page.next, 1);
+        // A skipped event then one that wakes: one page with both, at once.
+        let t = table.clone();
+        let idc = id.clone();
+        let pusher = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            t.push(
+                &idc,
+                JobEvent::Started {
+                    provider: "p".into(),
+                },
+            );
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            t.push(
+                &idc,
+                JobEvent::Stdout {
+                    data: b"x".to_vec(),
+                },
+            );
+        });
+        let asked = tokio::time::Instant::now();
+        let page = table
+            .events_skipping(&id, 1, Duration::from_secs(30), &skip)
+            .await
+            .expect("events");
+        pusher.await.expect("pusher");
+        assert_eq!(asked.elapsed(), Duration::from_secs(2));
+        let kinds: Vec<&str> = page.events.iter().map(JobEvent::kind).collect();
+        assert_eq!(kinds, ["started", "stdout"]);
+        assert_eq!(page.next, 3);
+        // Without a skip, the same follower is woken by the first.
+        table.push(
+            &id,
+            JobEvent::Leased {
+                provider: "p".into(),
+                lease_id: "l".into(),
+                price_per_gpu_hour: 1.0,
+            },
+        );
+        let asked = tokio::time::Instant::now();
+        let page = table
+            .events(&id, 3, Duration::from_secs(30))
+            .await
+            .expect("events");
+        assert_eq!(asked.elapsed(), Duration::ZERO);
+        assert_eq!(page.events.len(), 1);
+    }
+
+    #[test]
+    fn a_skip_list_names_known_kinds_only_and_each_kind_is_its_wire_type() {
+        assert_eq!(Skip::parse(""), Ok(Skip::none()));
+        assert_eq!(
+            Skip::parse("started,,started , leased"),
+            Ok(Skip(vec!["started", "leased"]))
+        );
+        let err = Skip::parse("started,bogus").expect_err("unknown kind");
+        assert!(err.contains("'bogus'") && err.contains("stdout"), "{err}");
+        let samples = [
+            JobEvent::Leased {
+                provider: "p".into(),
+                lease_id: "l".into(),
+                price_per_gpu_hour: 1.0,
+            },
+            JobEvent::Progress {
+                direction: "up".into(),
+                name: "n".into(),
+                done: 1,
+                total: 2,
+            },
+            JobEvent::Started {
+                provider: "p".into(),
+            },
+            JobEvent::Stdout { data: vec![1] },
+            JobEvent::Stderr { data: vec![2] },
+            JobEvent::Waiting {
+                reasons: vec![],
+                queue: None,
+            },
+            JobEvent::Retrying {
+                provider: "p".into(),
+                reason: "r".into(),
+                attempt: 2,
+            },
+            JobEvent::Failed { error: "e".into() },
+        ];
+        for event in &samples {
+            let wire = serde_json::to_value(event).expect("json");
+            assert_eq!(wire["type"], event.kind());
+            assert!(JobEvent::KINDS.contains(&event.kind()));
+        }
+        // `finished` (its summary is large to build here) is the one kind not sampled.
+        let sampled: Vec<&str> = samples.iter().map(JobEvent::kind).collect();
+        let missing: Vec<&&str> = JobEvent::KINDS
+            .iter()
+            .filter(|k| !sampled.contains(k))
+            .collect();
+        assert_eq!(missing, [&"finished"]);
     }
 
     #[tokio::test]

@@ -191,6 +191,29 @@ pub enum JobEvent {
     },
 }
 
+impl JobEvent {
+    /// Every kind of event, as `type` names it on the wire.
+    pub const KINDS: [&'static str; 9] = [
+        "leased", "progress", "started", "stdout", "stderr", "waiting", "retrying", "finished",
+        "failed",
+    ];
+
+    /// This event's kind, as its `type` on the wire.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            JobEvent::Leased { .. } => "leased",
+            JobEvent::Progress { .. } => "progress",
+            JobEvent::Started { .. } => "started",
+            JobEvent::Stdout { .. } => "stdout",
+            JobEvent::Stderr { .. } => "stderr",
+            JobEvent::Waiting { .. } => "waiting",
+            JobEvent::Retrying { .. } => "retrying",
+            JobEvent::Finished { .. } => "finished",
+            JobEvent::Failed { .. } => "failed",
+        }
+    }
+}
+
 mod base64_bytes {
     use base64::Engine;
     use serde::{Deserialize, Deserializer, Serializer};
