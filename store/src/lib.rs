@@ -295,8 +295,29 @@ mod tests {
             .stderr(std::process::Stdio::null())
             .spawn()
             .expect("spawn the writer");
+        // A writer that hangs (a deadlocked flush) fails the test instead of hanging it.
+        let pid = child.id();
+        let reading = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let watchdog = {
+            let reading = reading.clone();
+            std::thread::spawn(move || {
+                let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+                while reading.load(std::sync::atomic::Ordering::SeqCst) {
+                    if std::time::Instant::now() > deadline {
+                        let _ = std::process::Command::new("kill")
+                            .args(["-KILL", &pid.to_string()])
+                            .status();
+                        return true;
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(100));
+                }
+                false
+            })
+        };
         let mut acked = Vec::new();
-        for line in std::io::BufReader::new(child.stdout.take().expect("stdout")).lines() {
+        // The pipe stays open until the writer is killed, so it is still writing then.
+        let mut lines = std::io::BufReader::new(child.stdout.take().expect("stdout")).lines();
+        for line in lines.by_ref() {
             let line = line.expect("line");
             if line.contains('-') && !line.contains(' ') {
                 acked.push(line);
@@ -306,7 +327,16 @@ mod tests {
             }
         }
         child.kill().expect("kill the writer");
-        let _ = child.wait();
+        let status = child.wait().expect("wait for the writer");
+        drop(lines);
+        reading.store(false, std::sync::atomic::Ordering::SeqCst);
+        assert!(!watchdog.join().expect("watchdog"), "the writer hung");
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(
+            status.signal(),
+            Some(libc::SIGKILL),
+            "the writer was not killed mid-stream: {status}"
+        );
         assert_eq!(acked.len(), 2_000, "the writer stopped early");
         let store = Store::open(dir.path()).expect("reopen after the kill");
         for key in &acked {

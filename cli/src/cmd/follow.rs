@@ -48,7 +48,7 @@ impl Target {
                 .await?
             }
             Target::Local(node) => {
-                let skip = Skip::parse(skip).map_err(anyhow::Error::msg)?;
+                let skip = Skip::parse(skip);
                 node.handle
                     .job_events_skipping(id, from, Duration::from_millis(wait_ms), &skip)
                     .await

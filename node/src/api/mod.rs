@@ -263,10 +263,7 @@ async fn job_events(
     Query(q): Query<EventsQuery>,
 ) -> Response {
     let wait = std::time::Duration::from_millis(q.wait_ms.min(MAX_EVENTS_WAIT_MS));
-    let skip = match crate::jobs::table::Skip::parse(&q.skip) {
-        Ok(skip) => skip,
-        Err(e) => return (StatusCode::BAD_REQUEST, e).into_response(),
-    };
+    let skip = crate::jobs::table::Skip::parse(&q.skip);
     match node.job_events_skipping(&id, q.from, wait, &skip).await {
         Ok(page) => Json(page).into_response(),
         Err(e) => job_error(e),

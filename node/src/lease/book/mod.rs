@@ -134,7 +134,8 @@ impl LeaseBook {
             .iter()
             .filter_map(|(_, id)| self.leases.get(id))
             .collect();
-        v.sort_by_key(|l| std::cmp::Reverse(l.terms.start_ms));
+        // Ties by id, as `all` gives them (its records come in id order).
+        v.sort_by_key(|l| (std::cmp::Reverse(l.terms.start_ms), l.terms.lease_id));
         v
     }
 
