@@ -22,6 +22,24 @@ pub(super) struct Candidate {
     pub(super) advertised: Option<u64>,
 }
 
+/// The providers to ask, and the search they came from (none for a named provider).
+pub(super) struct Found {
+    /// Whom to ask, best first.
+    pub(super) candidates: Vec<Candidate>,
+    /// The search, to keep when it leads to a lease or forget when it does not.
+    pub(super) search: Option<Search>,
+}
+
+/// An offer search's answer.
+pub(super) struct Search {
+    /// What was searched for.
+    pub(super) filter: OfferFilter,
+    /// The matching offers, as the search gave them.
+    pub(super) offers: Vec<crate::OfferView>,
+    /// Whether they were a recent search's (see `recent`), not a new one's.
+    pub(super) reused: bool,
+}
+
 impl Negotiator {
     pub(super) async fn addresses_of(&self, peer: PeerId) -> Vec<Multiaddr> {
         if let Ok(true) = self.client.is_connected(peer).await {
@@ -60,25 +78,30 @@ impl Negotiator {
     }
 
     /// The providers to ask for `spec`, in order: the one it names, or those whose
-    /// offers match, at `max_price` (millicredits per GPU-hour) or less when set.
+    /// offers match, at `max_price` (millicredits per GPU-hour) or less when set (from
+    /// a recent search that led to a lease when `reuse` allows, see `recent`).
     pub(super) async fn candidates(
         &self,
         spec: &LeaseSpec,
         max_price: Option<u64>,
-    ) -> Result<Vec<Candidate>, LeaseError> {
+        reuse: bool,
+    ) -> Result<Found, LeaseError> {
         match &spec.peer {
             Some(p) => {
                 let peer: PeerId = p.parse().map_err(|_| {
                     LeaseError::Invalid(format!("'{p}' is not a peer id (12D3KooW...)"))
                 })?;
                 let (addrs, advertised) = self.target_of(peer).await;
-                Ok(vec![Candidate {
-                    peer,
-                    addrs,
-                    advertised,
-                }])
+                Ok(Found {
+                    candidates: vec![Candidate {
+                        peer,
+                        addrs,
+                        advertised,
+                    }],
+                    search: None,
+                })
             }
-            None => self.search(spec, max_price).await,
+            None => self.search(spec, max_price, reuse).await,
         }
     }
 
@@ -87,7 +110,8 @@ impl Negotiator {
         &self,
         spec: &LeaseSpec,
         max_price: Option<u64>,
-    ) -> Result<Vec<Candidate>, LeaseError> {
+        reuse: bool,
+    ) -> Result<Found, LeaseError> {
         let filter = OfferFilter {
             gpu_model: spec.gpu_model.clone(),
             gpu_slice: spec.gpu_slice.clone(),
@@ -95,7 +119,18 @@ impl Negotiator {
             gpus: Some(spec.gpus),
             backend: Some(spec.backend.clone()),
         };
-        let mut offers = self.client.search_offers(filter.clone()).await?.offers;
+        let kept = if reuse {
+            let recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
+            recent.get(&filter, std::time::Instant::now())
+        } else {
+            None
+        };
+        let reused = kept.is_some();
+        let found = match kept {
+            Some(offers) => offers,
+            None => self.client.search_offers(filter.clone()).await?.offers,
+        };
+        let mut offers = found.clone();
         offers.retain(|o| {
             max_price.is_none_or(|m| (o.price_per_gpu_hour * 1000.0).round() as u64 <= m)
         });
@@ -120,7 +155,14 @@ impl Negotiator {
                     .iter()
                     .all(|a| crate::nat::scope_of(a) == Some(crate::nat::Scope::Relayed))
         });
-        Ok(candidates)
+        Ok(Found {
+            candidates,
+            search: Some(Search {
+                filter,
+                offers: found,
+                reused,
+            }),
+        })
     }
 }
 

@@ -7,9 +7,10 @@
 mod candidates;
 mod held;
 mod offers;
+mod recent;
 
 use crate::lease::LeaseSendError;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use gpunode_protocol::lease::{
     LeaseMessage, LeaseReply, LeaseRequest, LeaseTerms, QueuePlace, Rejection, Requirements,
@@ -88,6 +89,8 @@ pub struct Negotiator {
     client: LoopClient,
     keypair: Keypair,
     peer_id: PeerId,
+    /// Searches that led to a lease, reused for a moment (see [`recent`]).
+    recent: std::sync::Arc<std::sync::Mutex<recent::RecentSearches>>,
 }
 
 impl Negotiator {
@@ -102,6 +105,7 @@ impl Negotiator {
             peer_id: keypair.public().to_peer_id(),
             client,
             keypair,
+            recent: Default::default(),
         }
     }
 
@@ -164,17 +168,40 @@ impl Negotiator {
         accepting: &(dyn Fn(PeerId) + Send + Sync),
     ) -> Result<LeaseView, LeaseError> {
         let max_price = price_limit(&spec)?;
-        let candidates: Vec<Candidate> = self
-            .candidates(&spec, max_price)
-            .await?
-            .into_iter()
-            .filter(|c| !spec.exclude.contains(&c.peer.to_string()))
-            .collect();
-        if candidates.is_empty() {
-            return Err(LeaseError::NoProviders(describe(&spec)));
+        let mut reuse = true;
+        loop {
+            let found = self.candidates(&spec, max_price, reuse).await?;
+            let candidates: Vec<Candidate> = found
+                .candidates
+                .into_iter()
+                .filter(|c| !spec.exclude.contains(&c.peer.to_string()))
+                .collect();
+            let result = if candidates.is_empty() {
+                Err(LeaseError::NoProviders(describe(&spec)))
+            } else {
+                self.ask_in_turn(candidates, &spec, max_price, accepting)
+                    .await
+            };
+            let Some(search) = found.search else {
+                return result;
+            };
+            let mut recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
+            match (&result, search.reused) {
+                (Ok(_), false) => recent.keep(search.filter, search.offers, Instant::now()),
+                (Ok(_), true) => {}
+                (Err(_), false) => {
+                    recent.forget(&search.filter);
+                    return result;
+                }
+                (Err(_), true) => {
+                    // Nobody of the reused answer granted it: ask the network afresh.
+                    recent.forget(&search.filter);
+                    reuse = false;
+                    continue;
+                }
+            }
+            return result;
         }
-        self.ask_in_turn(candidates, &spec, max_price, accepting)
-            .await
     }
 
     /// Asks each candidate in turn until one grants the lease; otherwise says who
@@ -350,10 +377,11 @@ mod tests {
     use super::*;
     use crate::loop_client::Command;
     use crate::views::{OfferSearch, OfferView};
+    use gpunode_protocol::advert::OfferFilter;
     use gpunode_protocol::lease::{Cancellation, LeaseId};
     use tokio::sync::mpsc;
 
-    fn offer_at(peer: PeerId, addrs: &[&str]) -> OfferView {
+    pub(super) fn offer_at(peer: PeerId, addrs: &[&str]) -> OfferView {
         OfferView {
             peer_id: peer.to_string(),
             gpus: Vec::new(),
@@ -433,5 +461,74 @@ mod tests {
             dialled,
             vec![vec![old], vec![relayed.parse::<Multiaddr>().unwrap()]]
         );
+    }
+
+    /// A search's answer kept after a lease is used for the next run without a
+    /// search; when nobody in it grants the lease, the negotiator forgets it, searches
+    /// afresh and asks the fresh answer's providers, and keeps nothing that failed.
+    #[tokio::test]
+    async fn a_reused_search_that_grants_nothing_is_forgotten_and_searched_afresh() {
+        let (tx, mut rx) = mpsc::channel(8);
+        let negotiator = Negotiator::new(LoopClient::new(tx), Keypair::generate_ed25519());
+        let kept_provider = PeerId::random();
+        let fresh_provider = PeerId::random();
+        let spec = LeaseSpec::new(0, 60_000);
+        let filter = OfferFilter {
+            gpus: Some(0),
+            backend: Some(spec.backend.clone()),
+            ..OfferFilter::default()
+        };
+        let addr = "/ip4/127.0.0.1/udp/4170/quic-v1";
+        negotiator.recent.lock().unwrap().keep(
+            filter.clone(),
+            vec![offer_at(kept_provider, &[addr])],
+            Instant::now(),
+        );
+        let fake_loop = tokio::spawn(async move {
+            let (mut searches, mut asked) = (0, Vec::new());
+            while let Some(command) = rx.recv().await {
+                match command {
+                    Command::FindOffers { reply, .. } => {
+                        searches += 1;
+                        let _ = reply.send(OfferSearch {
+                            offers: vec![offer_at(fresh_provider, &[addr])],
+                            providers: 1,
+                            dht_requests: 1,
+                        });
+                    }
+                    Command::SendLease { peer, reply, .. } => {
+                        asked.push(peer);
+                        let _ = reply.send(Ok(LeaseReply::Rejected(
+                            gpunode_protocol::lease::Rejection::new(
+                                gpunode_protocol::lease::RejectCode::NoCapacity,
+                                "full",
+                            ),
+                        )));
+                    }
+                    Command::IsConnected { reply, .. } => {
+                        let _ = reply.send(false);
+                    }
+                    other => panic!("unexpected command {other:?}"),
+                }
+            }
+            (searches, asked)
+        });
+        let err = negotiator
+            .request_lease(spec)
+            .await
+            .expect_err("everyone refuses");
+        assert!(matches!(err, LeaseError::AllRefused(_)), "{err}");
+        let now = Instant::now();
+        assert!(negotiator
+            .recent
+            .lock()
+            .unwrap()
+            .get(&filter, now)
+            .is_none());
+        drop(negotiator);
+        let (searches, asked) = fake_loop.await.unwrap();
+        // The kept answer first, without a search; then one search and its provider.
+        assert_eq!(asked, vec![kept_provider, fresh_provider]);
+        assert_eq!(searches, 1);
     }
 }
