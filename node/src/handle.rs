@@ -56,7 +56,8 @@ impl NodeHandle {
     /// The handle over `parts`.
     pub(crate) fn new(parts: HandleParts) -> NodeHandle {
         let client = LoopClient::new(parts.commands);
-        let negotiator = lease::negotiate::Negotiator::new(client.clone(), parts.keypair);
+        let negotiator = lease::negotiate::Negotiator::new(client.clone(), parts.keypair)
+            .scored_by(parts.accounts.clone());
         NodeHandle {
             peer_id: parts.peer_id,
             link: PeerLink::new(client, parts.control.clone(), parts.metrics.clone()),

@@ -127,7 +127,16 @@ impl Negotiator {
         };
         let reused = kept.is_some();
         let found = match kept {
-            Some(offers) => offers,
+            Some(mut offers) => {
+                if let Some(accounts) = &self.accounts {
+                    for o in &mut offers {
+                        if let Ok(peer) = o.peer_id.parse() {
+                            o.reputation = Some(accounts.reputation.score(&peer));
+                        }
+                    }
+                }
+                offers
+            }
             None => self.client.search_offers(filter.clone()).await?.offers,
         };
         let mut offers = found.clone();

@@ -91,6 +91,9 @@ pub struct Negotiator {
     peer_id: PeerId,
     /// Searches that led to a lease, reused for a moment (see [`recent`]).
     recent: std::sync::Arc<std::sync::Mutex<recent::RecentSearches>>,
+    /// Where reused offers get their providers' current reputation (the search's is
+    /// what it was then: a provider caught cheating since must not stay first).
+    accounts: Option<std::sync::Arc<crate::ledger::accounts::Accounts>>,
 }
 
 impl Negotiator {
@@ -106,7 +109,17 @@ impl Negotiator {
             client,
             keypair,
             recent: Default::default(),
+            accounts: None,
         }
+    }
+
+    /// This negotiator, ranking reused offers by the current reputations in `accounts`.
+    pub fn scored_by(
+        mut self,
+        accounts: std::sync::Arc<crate::ledger::accounts::Accounts>,
+    ) -> Negotiator {
+        self.accounts = Some(accounts);
+        self
     }
 
     /// Sends one lease message to `peer` (dialling `addrs` when not connected) and waits
