@@ -38,6 +38,8 @@ pub(super) struct Search {
     pub(super) offers: Vec<crate::OfferView>,
     /// Whether they were a recent search's (see `recent`), not a new one's.
     pub(super) reused: bool,
+    /// When the search answered (for a reused one, the first run's search).
+    pub(super) at: std::time::Instant,
 }
 
 impl Negotiator {
@@ -126,8 +128,8 @@ impl Negotiator {
             None
         };
         let reused = kept.is_some();
-        let found = match kept {
-            Some(mut offers) => {
+        let (found, at) = match kept {
+            Some((at, mut offers)) => {
                 if let Some(accounts) = &self.accounts {
                     for o in &mut offers {
                         if let Ok(peer) = o.peer_id.parse() {
@@ -135,9 +137,12 @@ impl Negotiator {
                         }
                     }
                 }
-                offers
+                (offers, at)
             }
-            None => self.client.search_offers(filter.clone()).await?.offers,
+            None => {
+                let offers = self.client.search_offers(filter.clone()).await?.offers;
+                (offers, std::time::Instant::now())
+            }
         };
         let mut offers = found.clone();
         offers.retain(|o| {
@@ -170,6 +175,7 @@ impl Negotiator {
                 filter,
                 offers: found,
                 reused,
+                at,
             }),
         })
     }

@@ -10,7 +10,7 @@ mod offers;
 mod recent;
 
 use crate::lease::LeaseSendError;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use gpunode_protocol::lease::{
     LeaseMessage, LeaseReply, LeaseRequest, LeaseTerms, QueuePlace, Rejection, Requirements,
@@ -189,6 +189,7 @@ impl Negotiator {
                 .into_iter()
                 .filter(|c| !spec.exclude.contains(&c.peer.to_string()))
                 .collect();
+            let order: Vec<String> = candidates.iter().map(|c| c.peer.to_string()).collect();
             let result = if candidates.is_empty() {
                 Err(LeaseError::NoProviders(describe(&spec)))
             } else {
@@ -199,19 +200,38 @@ impl Negotiator {
                 return result;
             };
             let mut recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
-            match (&result, search.reused) {
-                (Ok(_), false) => recent.keep(search.filter, search.offers, Instant::now()),
-                (Ok(_), true) => {}
-                (Err(_), false) => {
-                    recent.forget(&search.filter);
-                    return result;
+            match &result {
+                Ok(view) => {
+                    if !search.reused {
+                        recent.keep(search.filter.clone(), search.offers, search.at);
+                    }
+                    // Those asked before the winner refused or failed just now, and
+                    // the winner's GPUs are taken: the next run asks others first.
+                    let asked_before: Vec<String> = order
+                        .iter()
+                        .take_while(|p| **p != view.provider)
+                        .cloned()
+                        .collect();
+                    let leased: Vec<String> = view.gpus.iter().map(|g| g.uuid.clone()).collect();
+                    recent.granted(
+                        &search.filter,
+                        search.at,
+                        &asked_before,
+                        &view.provider,
+                        &leased,
+                    );
                 }
-                (Err(_), true) => {
+                Err(
+                    LeaseError::NoProviders(_)
+                    | LeaseError::AllRefused(_)
+                    | LeaseError::Queued { .. },
+                ) if search.reused => {
                     // Nobody of the reused answer granted it: ask the network afresh.
-                    recent.forget(&search.filter);
+                    recent.forget(&search.filter, search.at);
                     reuse = false;
                     continue;
                 }
+                Err(_) => recent.forget(&search.filter, search.at),
             }
             return result;
         }
@@ -392,6 +412,7 @@ mod tests {
     use crate::views::{OfferSearch, OfferView};
     use gpunode_protocol::advert::OfferFilter;
     use gpunode_protocol::lease::{Cancellation, LeaseId};
+    use std::time::Instant;
     use tokio::sync::mpsc;
 
     pub(super) fn offer_at(peer: PeerId, addrs: &[&str]) -> OfferView {
