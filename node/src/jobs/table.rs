@@ -462,6 +462,12 @@ mod tests {
         );
     }
 
+    fn started() -> JobEvent {
+        JobEvent::Started {
+            provider: "p".into(),
+        }
+    }
+
     /// In paused time: events of skipped kinds do not end a follower's wait; they come
     /// with the next event that does, or at the deadline.
     #[tokio::test(start_paused = true)]
@@ -469,12 +475,7 @@ mod tests {
         let table = JobTable::default();
         let (id, _cancel) = table.insert(&request());
         let skip = Skip::parse("leased, started");
-        table.push(
-            &id,
-            JobEvent::Started {
-                provider: "p".into(),
-            },
-        );
+        table.push(&id, started());
         // Only a skipped event so far: the wait runs to its deadline, then brings it.
         let asked = tokio::time::Instant::now();
         let page = table
@@ -489,12 +490,7 @@ mod tests {
         let idc = id.clone();
         let pusher = tokio::spawn(async move {
             tokio::time::sleep(Duration::from_secs(1)).await;
-            t.push(
-                &idc,
-                JobEvent::Started {
-                    provider: "p".into(),
-                },
-            );
+            t.push(&idc, started());
             tokio::time::sleep(Duration::from_secs(1)).await;
             t.push(
                 &idc,

@@ -196,44 +196,59 @@ impl Negotiator {
                 self.ask_in_turn(candidates, &spec, max_price, accepting)
                     .await
             };
-            let Some(search) = found.search else {
-                return result;
+            let again = match found.search {
+                Some(search) => self.learn(search, &order, &result),
+                None => false,
             };
-            let mut recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
-            match &result {
-                Ok(view) => {
-                    if !search.reused {
-                        recent.keep(search.filter.clone(), search.offers, search.at);
-                    }
-                    // Those asked before the winner refused or failed just now, and
-                    // the winner's GPUs are taken: the next run asks others first.
-                    let asked_before: Vec<String> = order
-                        .iter()
-                        .take_while(|p| **p != view.provider)
-                        .cloned()
-                        .collect();
-                    let leased: Vec<String> = view.gpus.iter().map(|g| g.uuid.clone()).collect();
-                    recent.granted(
-                        &search.filter,
-                        search.at,
-                        &asked_before,
-                        &view.provider,
-                        &leased,
-                    );
-                }
-                Err(
-                    LeaseError::NoProviders(_)
-                    | LeaseError::AllRefused(_)
-                    | LeaseError::Queued { .. },
-                ) if search.reused => {
-                    // Nobody of the reused answer granted it: ask the network afresh.
-                    recent.forget(&search.filter, search.at);
-                    reuse = false;
-                    continue;
-                }
-                Err(_) => recent.forget(&search.filter, search.at),
+            if !again {
+                return result;
             }
-            return result;
+            reuse = false;
+        }
+    }
+
+    /// Keeps or forgets `search` after the lease it led to (`result`; `order`: whom it
+    /// asked, in turn) and says whether to search afresh: a reused answer whose
+    /// providers all refused, queued the request or were excluded.
+    fn learn(
+        &self,
+        search: candidates::Search,
+        order: &[String],
+        result: &Result<LeaseView, LeaseError>,
+    ) -> bool {
+        let mut recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
+        match result {
+            Ok(view) => {
+                if !search.reused {
+                    recent.keep(search.filter.clone(), search.offers, search.at);
+                }
+                // Those asked before the winner refused or failed just now, and the
+                // winner's GPUs are taken: the next run asks others first.
+                let asked_before: Vec<String> = order
+                    .iter()
+                    .take_while(|p| **p != view.provider)
+                    .cloned()
+                    .collect();
+                let leased: Vec<String> = view.gpus.iter().map(|g| g.uuid.clone()).collect();
+                recent.granted(
+                    &search.filter,
+                    search.at,
+                    &asked_before,
+                    &view.provider,
+                    &leased,
+                );
+                false
+            }
+            Err(
+                LeaseError::NoProviders(_) | LeaseError::AllRefused(_) | LeaseError::Queued { .. },
+            ) if search.reused => {
+                recent.forget(&search.filter, search.at);
+                true
+            }
+            Err(_) => {
+                recent.forget(&search.filter, search.at);
+                false
+            }
         }
     }
 
