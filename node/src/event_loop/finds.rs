@@ -2,8 +2,9 @@
 //! named, ask it for its advert directly (in parallel, over the connection the lookup
 //! opened or a new one). A provider that cannot be reached now is left out (a lease
 //! with it would fail too); one that does not serve its advert (an older build) is
-//! looked up in the DHT instead. The provider lookup stops once three responses agree
-//! (unless one was full, see [`FULL_ANSWER`]) or the responses pause; the query answers
+//! looked up in the DHT instead. The provider lookup stops once [`SETTLED_ANSWERS`]
+//! responses named providers and the last [`QUIET_ANSWERS`] named nobody new (unless one
+//! was full, see [`FULL_ANSWER`]), or the responses pause; the query answers
 //! when every advert is in (or a short grace after the first, when some providers stay
 //! silent) with the adverts that match.
 //! A peer our last dial to failed is not asked again at the same addresses: its advert

@@ -68,7 +68,11 @@ impl Queue {
         // with the notify below.
         drop(queue);
 
-        self.cv.notify_all();
+        // gpunode: one job wakes one waiting thread (upstream woke all seven,
+        // six of which found the queue empty and slept again). A thread busy
+        // with a job takes the queue's next jobs before it waits, so no job is
+        // left without a thread.
+        self.cv.notify_one();
 
         len
     }
