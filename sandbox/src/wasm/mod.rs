@@ -2,8 +2,8 @@
 //! module cache, and `run`, which executes one task to a single [`Outcome`].
 //!
 //! Two isolations ([`Isolation`]): `Thread` runs the guest on the calling thread with
-//! epoch interruption (a ticker advances the epoch every 10 ms and each tick checks the
-//! deadline, cancellation and output caps); `Process` runs each guest in a worker
+//! epoch interruption (a ticker advances the epoch every 10 ms while a guest runs, and
+//! each tick checks the deadline, cancellation and output caps; see `ticker`); `Process` runs each guest in a worker
 //! process (see [`worker`]) compiled without epoch checks, which makes compute-bound
 //! code about 3x faster, and enforces the deadline, cancellation and output caps from
 //! outside by killing the worker. Memory limits apply inside either way. Workers can be
@@ -16,12 +16,12 @@
 mod cache;
 mod output;
 mod pool;
+mod ticker;
 pub mod worker;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 pub use cache::CacheSource;
@@ -235,8 +235,7 @@ pub struct WasmExecutor {
     isolation: Isolation,
     /// Whether the engines insert epoch checks (thread isolation only).
     epoch: bool,
-    stop_ticker: Arc<AtomicBool>,
-    ticker: Option<JoinHandle<()>>,
+    ticker: Option<ticker::EpochTicker>,
     /// Worker processes for `Isolation::Process`.
     workers: Option<Arc<pool::WorkerPool>>,
     /// This executor is a worker process's, which runs one guest and exits.
@@ -294,20 +293,10 @@ impl WasmExecutor {
         };
         let cache = cache::ModuleCache::new(cache_dir)
             .map_err(|e| SandboxError::Setup(format!("cache dir {}: {e}", cache_dir.display())))?;
-        let stop_ticker = Arc::new(AtomicBool::new(false));
         let ticker = if epoch {
-            let (stop, engines) = (stop_ticker.clone(), [engine.clone(), fuel_engine.clone()]);
+            let engines = vec![engine.clone(), fuel_engine.clone()];
             Some(
-                std::thread::Builder::new()
-                    .name("wasm-epoch".into())
-                    .spawn(move || {
-                        while !stop.load(Ordering::Relaxed) {
-                            std::thread::sleep(TICK);
-                            for e in &engines {
-                                e.increment_epoch();
-                            }
-                        }
-                    })
+                ticker::EpochTicker::start(engines)
                     .map_err(|e| SandboxError::Setup(e.to_string()))?,
             )
         } else {
@@ -334,7 +323,6 @@ impl WasmExecutor {
             in_worker: false,
             isolation,
             epoch,
-            stop_ticker,
             ticker,
         })
     }
@@ -496,6 +484,8 @@ impl WasmExecutor {
         if self.epoch {
             store.set_epoch_deadline(1);
         }
+        // The epoch advances while this guest runs.
+        let _running = self.ticker.as_ref().map(|t| t.running());
         store.epoch_deadline_callback(stop_check(
             &spec.limits,
             spec.cancel.clone(),
@@ -721,13 +711,4 @@ pub(crate) fn over_output_limits(dir: &Path, max_bytes: u64, max_files: u64) -> 
         }
     }
     None
-}
-
-impl Drop for WasmExecutor {
-    fn drop(&mut self) {
-        self.stop_ticker.store(true, Ordering::Relaxed);
-        if let Some(t) = self.ticker.take() {
-            let _ = t.join();
-        }
-    }
 }
