@@ -159,18 +159,32 @@ pub fn verify_batch(items: &[BatchItem<'_>]) -> Result<(), usize> {
 /// Like [`verify_batch`], on the calling thread only (for callers that spread work over
 /// cores themselves).
 pub fn verify_batch_here(items: &[BatchItem<'_>]) -> Result<(), usize> {
+    verify_here(items, BATCH)
+}
+
+fn verify_here(items: &[BatchItem<'_>], batch: usize) -> Result<(), usize> {
     let mut keys = KeyCache::default();
-    for (c, chunk) in items.chunks(BATCH).enumerate() {
-        verify_chunk(chunk, &mut keys).map_err(|i| c * BATCH + i)?;
+    for (c, chunk) in items.chunks(batch).enumerate() {
+        verify_chunk(chunk, &mut keys).map_err(|i| c * batch + i)?;
     }
     Ok(())
 }
 
 fn verify_in_batches(items: &[BatchItem<'_>], batch: usize) -> Result<(), usize> {
+    let batches = items.len().div_ceil(batch);
+    // One batch (every settlement message: a few receipts) is checked on this thread: a
+    // thread started and joined for it cost more than the check, and asking for the
+    // cores reads the cgroup files every time.
+    if batches <= 1 {
+        return verify_here(items, batch);
+    }
     let threads = std::thread::available_parallelism()
         .map(|n| n.get())
         .unwrap_or(1)
-        .min(items.len().div_ceil(batch).max(1));
+        .min(batches);
+    if threads <= 1 {
+        return verify_here(items, batch);
+    }
     let per_thread = items.len().div_ceil(threads).max(1);
     let first_bad = std::thread::scope(|s| {
         let workers: Vec<_> = items
