@@ -132,6 +132,8 @@ fn a_dropped_timer_is_let_go_once_many_updates_wait() {
     );
     drop(w);
     drop(dropped);
+    // Time for a wake-up that should not come (nothing to wait on when it does not):
+    // a thread woken by the drop would have let the waker go by now.
     std::thread::sleep(Duration::from_millis(50));
     assert_eq!(
         Arc::strong_count(&idle),

@@ -449,12 +449,9 @@ mod tests {
     async fn a_follower_with_nothing_new_gets_an_empty_page_at_its_deadline() {
         let table = JobTable::default();
         let (id, _cancel) = table.insert(&request());
-        let asked = tokio::time::Instant::now();
-        let page = table
-            .events(&id, 0, Duration::from_secs(30))
-            .await
-            .expect("events");
-        assert_eq!(asked.elapsed(), Duration::from_secs(30));
+        let (waited, page) =
+            timed_poll(&table, &id, 0, Duration::from_secs(30), &Skip::none()).await;
+        assert_eq!(waited, Duration::from_secs(30));
         assert_eq!((page.events.len(), page.next, page.done), (0, 0, false));
         assert_eq!(
             table.events("nope", 0, Duration::from_secs(1)).await.err(),
@@ -468,6 +465,22 @@ mod tests {
         }
     }
 
+    /// A follower's long poll from `from`, and how long it waited (in paused time).
+    async fn timed_poll(
+        table: &JobTable,
+        id: &str,
+        from: usize,
+        wait: Duration,
+        skip: &Skip,
+    ) -> (Duration, EventPage) {
+        let asked = tokio::time::Instant::now();
+        let page = table
+            .events_skipping(id, from, wait, skip)
+            .await
+            .expect("events");
+        (asked.elapsed(), page)
+    }
+
     /// In paused time: events of skipped kinds do not end a follower's wait; they come
     /// with the next event that does, or at the deadline.
     #[tokio::test(start_paused = true)]
@@ -477,12 +490,8 @@ mod tests {
         let skip = Skip::parse("leased, started");
         table.push(&id, started());
         // Only a skipped event so far: the wait runs to its deadline, then brings it.
-        let asked = tokio::time::Instant::now();
-        let page = table
-            .events_skipping(&id, 0, Duration::from_secs(5), &skip)
-            .await
-            .expect("events");
-        assert_eq!(asked.elapsed(), Duration::from_secs(5));
+        let (waited, page) = timed_poll(&table, &id, 0, Duration::from_secs(5), &skip).await;
+        assert_eq!(waited, Duration::from_secs(5));
         assert_eq!(page.events.len(), 1);
         assert_eq!(page.next, 1);
         // A skipped event then one that wakes: one page with both, at once.
@@ -499,13 +508,9 @@ mod tests {
                 },
             );
         });
-        let asked = tokio::time::Instant::now();
-        let page = table
-            .events_skipping(&id, 1, Duration::from_secs(30), &skip)
-            .await
-            .expect("events");
+        let (waited, page) = timed_poll(&table, &id, 1, Duration::from_secs(30), &skip).await;
         pusher.await.expect("pusher");
-        assert_eq!(asked.elapsed(), Duration::from_secs(2));
+        assert_eq!(waited, Duration::from_secs(2));
         let kinds: Vec<&str> = page.events.iter().map(JobEvent::kind).collect();
         assert_eq!(kinds, ["started", "stdout"]);
         assert_eq!(page.next, 3);
@@ -518,12 +523,9 @@ mod tests {
                 price_per_gpu_hour: 1.0,
             },
         );
-        let asked = tokio::time::Instant::now();
-        let page = table
-            .events(&id, 3, Duration::from_secs(30))
-            .await
-            .expect("events");
-        assert_eq!(asked.elapsed(), Duration::ZERO);
+        let (waited, page) =
+            timed_poll(&table, &id, 3, Duration::from_secs(30), &Skip::none()).await;
+        assert_eq!(waited, Duration::ZERO);
         assert_eq!(page.events.len(), 1);
     }
 
@@ -539,12 +541,9 @@ mod tests {
                 data: vec![0; MAX_LOG_BYTES + 1],
             },
         );
-        let asked = tokio::time::Instant::now();
-        let page = table
-            .events(&id, 0, Duration::from_secs(30))
-            .await
-            .expect("events");
-        assert_eq!(asked.elapsed(), Duration::ZERO);
+        let (waited, page) =
+            timed_poll(&table, &id, 0, Duration::from_secs(30), &Skip::none()).await;
+        assert_eq!(waited, Duration::ZERO);
         assert_eq!((page.events.len(), page.next), (0, 1));
     }
 

@@ -3,10 +3,10 @@
 //!
 //! Two isolations ([`Isolation`]): `Thread` runs the guest on the calling thread with
 //! epoch interruption (a ticker advances the epoch every 10 ms while a guest runs, and
-//! each tick checks the deadline, cancellation and output caps; see `ticker`); `Process` runs each guest in a worker
-//! process (see [`worker`]) compiled without epoch checks, which makes compute-bound
-//! code about 3x faster, and enforces the deadline, cancellation and output caps from
-//! outside by killing the worker. Memory limits apply inside either way. Workers can be
+//! each tick checks the deadline, cancellation and output caps; see `ticker`);
+//! `Process` runs each guest in a worker process (see [`worker`]) compiled without
+//! epoch checks, which makes compute-bound code about 3x faster, and enforces the
+//! deadline, cancellation and output caps from outside by killing the worker. Memory limits apply inside either way. Workers can be
 //! started ahead of need ([`WasmExecutor::keep_workers_ready`], see `pool`), still one
 //! process per task.
 //!

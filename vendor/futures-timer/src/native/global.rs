@@ -66,10 +66,11 @@ fn run(mut timer: Timer, done: Arc<AtomicBool>) {
         timer.advance();
         // gpunode: say when this thread looks next, then take what came meanwhile
         // before sleeping (see `Inner::updated`).
-        if timer.sleep_until(timer.next_event()) {
+        let next = timer.next_event();
+        if timer.sleep_until(next) {
             continue;
         }
-        match timer.next_event() {
+        match next {
             // Ok, block for the specified time
             Some(when) => {
                 let now = Instant::now();
