@@ -21,6 +21,12 @@ use gpunode_node::DataDir;
 
 use crate::args::{Cli, Command, LeaseCommand, ReservationAction, ReservationsArgs};
 
+/// jemalloc for a daemon (`gpunode serve`), glibc's for the short commands and the sandbox
+/// workers ([`gpunode_node::allocator`] says why).
+#[global_allocator]
+static HEAP: gpunode_node::allocator::Heap =
+    gpunode_node::allocator::Heap::new(gpunode_node::allocator::Rule::WhenArgument("serve"));
+
 fn main() -> ExitCode {
     // A provider runs each wasm task in a child process of this same binary.
     if std::env::args().nth(1).as_deref() == Some(gpunode_sandbox::wasm::worker::WORKER_ARG) {

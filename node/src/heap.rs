@@ -1,16 +1,19 @@
 //! Gives the heap that closed connections freed back to the operating system.
 //!
 //! A node forming a network, or answering a burst of lookups, opens a connection to
-//! most peers (about 90 KiB each); the idle timeout closes them again, but glibc's
-//! allocator keeps the freed memory, so an idle node stayed at its peak (16.8 MiB per
-//! node at 100 nodes with every connection closed, 7.6 MiB once trimmed). One thread
-//! per process watches the process's connection count (every node's event loop holds a
-//! [`ConnectionCount`]) and, once enough connections have closed since the peak, asks
-//! the allocator to return its free pages (`malloc_trim`, which is process-wide: hence
-//! one watcher, however many nodes a process runs).
+//! most peers (about 90 KiB each); the idle timeout closes them again, but the allocator
+//! keeps the freed memory for a while (glibc's until it is trimmed; jemalloc's about 10 s
+//! after last use, and only when the arena holding it is used again), so an idle node
+//! stayed at its peak (with glibc's: 16.8 MiB per node at 100 nodes with every
+//! connection closed, 7.6 MiB once trimmed). One thread per process watches the process's connection count
+//! (every node's event loop holds a [`ConnectionCount`]) and, once enough connections
+//! have closed since the peak, asks the allocators to return their free pages ([`trim`],
+//! which is process-wide: hence one watcher, however many nodes a process runs).
 //!
-//! It also keeps a daemon to a few allocator arenas ([`limit_arenas`]), so that memory
-//! freed by short-lived threads can be returned at all.
+//! It also keeps a daemon to a few glibc arenas ([`limit_arenas`]), so that memory freed
+//! by short-lived threads can be returned at all. (Which allocator serves Rust's
+//! allocations is [`crate::allocator`]'s; C code, such as aws-lc under QUIC's TLS,
+//! always allocates from glibc.)
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -108,11 +111,17 @@ fn start_watcher() {
     });
 }
 
-/// Returns the allocator's free pages to the operating system (benchmarks call it
+/// Returns the allocators' free pages to the operating system (benchmarks call it
 /// before they read a settled resident size).
+pub fn trim() {
+    crate::allocator::purge();
+    trim_glibc();
+}
+
+/// Trims glibc's heap, which C code in the process allocates from.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 #[allow(unsafe_code)]
-pub fn trim() {
+fn trim_glibc() {
     // SAFETY: malloc_trim only releases memory the allocator holds free; it takes the
     // allocator's own locks and touches no memory of ours.
     unsafe {
@@ -120,24 +129,23 @@ pub fn trim() {
     }
 }
 
-/// Other allocators return free memory on their own.
+/// Other C allocators return free memory on their own.
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-pub fn trim() {}
+fn trim_glibc() {}
 
-/// The most allocator arenas a daemon uses.
+/// The most glibc arenas a `gpunode` process uses: all of a short command's or a sandbox
+/// worker's allocations, only C code's in a daemon (whose Rust allocations are
+/// jemalloc's, [`crate::allocator`]).
 ///
 /// glibc gives threads their own arenas, up to eight per core, and what is freed in an
 /// arena stays there, spread among the long-lived blocks around it where a trim cannot
 /// return it. A daemon runs many short threads (blocking tasks, the ledger check's
-/// workers): six whole-chain checks of a 10,000-entry ledger in a row left the daemon
-/// 90 MiB larger, each one 8 to 23 MiB more; with two arenas it stayed within 11 MiB of
-/// where it began and came back to 3 MiB (issue 18's dashboard bench).
-/// Small allocations are served from each thread's cache without the arena's lock: with
-/// two arenas `bench dispatch` (three daemons, a whole `run` each time) measured the same
-/// as with glibc's sixteen on two cores.
+/// workers): when glibc served all of the daemon's memory, six whole-chain checks of a
+/// 10,000-entry ledger in a row left it 90 MiB larger, and with two arenas within 11 MiB
+/// of where it began (issue 18's dashboard bench).
 pub const DAEMON_ARENAS: i32 = 2;
 
-/// Limits this process to [`DAEMON_ARENAS`] allocator arenas, unless glibc's own
+/// Limits this process to [`DAEMON_ARENAS`] glibc arenas, unless glibc's own
 /// `MALLOC_ARENA_MAX` is set (which then applies); call it before any thread starts.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 #[allow(unsafe_code)]
@@ -152,7 +160,7 @@ pub fn limit_arenas() {
     }
 }
 
-/// Other allocators manage their arenas on their own.
+/// Other C allocators manage their arenas on their own.
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
 pub fn limit_arenas() {}
 
@@ -206,20 +214,26 @@ mod tests {
     }
 
     #[test]
-    fn a_trim_returns_freed_memory_to_the_os() {
-        // 128 MiB in 64 KiB blocks (under glibc's mmap threshold, so on the heap); every
-        // other one freed, leaving 64 MiB of holes the allocator keeps on its own.
+    #[cfg(target_os = "linux")]
+    fn rust_allocations_are_jemallocs_and_a_trim_returns_them() {
+        // 128 MiB in 64 KiB blocks; every other one freed, leaving 64 MiB of holes the
+        // allocator keeps for a while on its own (jemalloc for about 10 s, and only once
+        // their arena is used again; glibc until `malloc_trim`). Only a purge of jemalloc's
+        // arenas is asked for (this test binary allocates through jemalloc, as a daemon
+        // does), so the holes come back only if Rust's allocations are jemalloc's. The
+        // size is read with every block live, so another test's trim in between (the
+        // ledger's check trims) cannot make the holes vanish before it is read.
         let mut blocks: Vec<Option<Vec<u8>>> =
             (0..2048).map(|_| Some(vec![1u8; 64 << 10])).collect();
+        let before = resident_kib();
         for b in blocks.iter_mut().step_by(2) {
             *b = None;
         }
-        let before = resident_kib();
-        trim();
+        crate::allocator::purge();
         let after = resident_kib();
-        if cfg!(all(target_os = "linux", target_env = "gnu")) {
-            assert!(after + 32 * 1024 < before, "{before} KiB -> {after} KiB");
-        }
+        assert!(after + 32 * 1024 < before, "{before} KiB -> {after} KiB");
+        // The whole trim (jemalloc's and glibc's) runs too.
+        trim();
         drop(blocks);
     }
 

@@ -10,6 +10,7 @@
 
 pub mod adverts;
 pub mod alerts;
+pub mod allocator;
 pub mod api;
 pub mod config;
 pub mod data_dir;

@@ -22,10 +22,11 @@ pub async fn serve(data_dir: DataDir, mut config: NodeConfig, args: ServeArgs) -
     let node = Node::start(opts).await.context("cannot start the node")?;
     let handle = node.handle();
     tracing::info!(
-        "gpunode {} serving as {} (data dir {})",
+        "gpunode {} serving as {} (data dir {}, allocator {})",
         env!("CARGO_PKG_VERSION"),
         handle.peer_id(),
-        data_dir.root().display()
+        data_dir.root().display(),
+        gpunode_node::allocator::name()
     );
     let (stop_dashboard, dashboard_stopped) = tokio::sync::watch::channel(false);
     let dashboard = start_dashboard(&config, &handle, dashboard_stopped).await;

@@ -8,6 +8,11 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use testnet::process::{ServeProcess, SIGINT};
 
+/// jemalloc, as a `gpunode serve` daemon allocates.
+#[global_allocator]
+static HEAP: gpunode_node::allocator::Heap =
+    gpunode_node::allocator::Heap::new(gpunode_node::allocator::Rule::Always);
+
 #[derive(Debug, Parser)]
 #[command(
     name = "testnet",

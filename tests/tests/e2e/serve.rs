@@ -143,6 +143,8 @@ fn three_processes_find_each_other_and_exit_cleanly() {
         assert!(status.success(), "exit status {status}: {}", p.log());
         assert!(!p.data_dir.join("api.sock").exists());
     }
+    // A daemon allocates through jemalloc (`node/src/allocator.rs`).
+    assert!(a.log().contains(", allocator jemalloc)"), "{}", a.log());
     // The identity survives a restart.
     let id = stdout(&gpunode(&b.data_dir, &["id"]));
     assert_eq!(id.trim(), b.peer_id);
