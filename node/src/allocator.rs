@@ -134,16 +134,16 @@ unsafe impl GlobalAlloc for Heap {
     }
 
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        if self.jemalloc() && layout.size() <= ZERO_BY_MEMSET_MAX {
+        if !self.jemalloc() {
+            unsafe { System.alloc_zeroed(layout) }
+        } else if layout.size() <= ZERO_BY_MEMSET_MAX {
             let p = unsafe { Je.alloc(layout) };
             if !p.is_null() {
                 unsafe { std::ptr::write_bytes(p, 0, layout.size()) };
             }
             p
-        } else if self.jemalloc() {
-            unsafe { Je.alloc_zeroed(layout) }
         } else {
-            unsafe { System.alloc_zeroed(layout) }
+            unsafe { Je.alloc_zeroed(layout) }
         }
     }
 
