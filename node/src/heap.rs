@@ -5,10 +5,11 @@
 //! keeps the freed memory for a while (glibc's until it is trimmed; jemalloc's about 10 s
 //! after last use, and only when the arena holding it is used again), so an idle node
 //! stayed at its peak (with glibc's: 16.8 MiB per node at 100 nodes with every
-//! connection closed, 7.6 MiB once trimmed). One thread per process watches the process's connection count
-//! (every node's event loop holds a [`ConnectionCount`]) and, once enough connections
-//! have closed since the peak, asks the allocators to return their free pages ([`trim`],
-//! which is process-wide: hence one watcher, however many nodes a process runs).
+//! connection closed, 7.6 MiB once trimmed). One thread per process watches the
+//! process's connection count (every node's event loop holds a [`ConnectionCount`]) and,
+//! once enough connections have closed since the peak, asks the allocators to return
+//! their free pages ([`trim`], which is process-wide: hence one watcher, however many
+//! nodes a process runs).
 //!
 //! It also keeps a daemon to a few glibc arenas ([`limit_arenas`]), so that memory freed
 //! by short-lived threads can be returned at all. (Which allocator serves Rust's
