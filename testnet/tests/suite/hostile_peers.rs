@@ -369,22 +369,36 @@ mod attacks {
             .expect("start");
         let provider = net.provider(0).handle.clone();
         let attacker = net.client(0).handle.clone();
-        // Open job streams and never say anything on them.
-        let mut held = Vec::new();
-        for _ in 0..400 {
+        // Open job streams and never say anything on them. The first open may have to dial
+        // (slow on a loaded machine), so it gets the long deadline; after it, a stream that
+        // takes over 10 s to open means the provider has stopped accepting them.
+        let first = tokio::time::timeout(LONG, attacker.open_job_stream(provider.peer_id()))
+            .await
+            .expect("the first job stream opens in time")
+            .expect("the first job stream opens");
+        let mut held = vec![first];
+        let mut stopped_by = String::from("nothing");
+        for _ in 1..400 {
             match tokio::time::timeout(
-                Duration::from_secs(2),
+                Duration::from_secs(10),
                 attacker.open_job_stream(provider.peer_id()),
             )
             .await
             {
                 Ok(Ok(s)) => held.push(s),
-                _ => break,
+                Ok(Err(e)) => {
+                    stopped_by = e.to_string();
+                    break;
+                }
+                Err(_) => {
+                    stopped_by = "a 10 s timeout".into();
+                    break;
+                }
             }
         }
         assert!(
             held.len() >= 100,
-            "the attacker opened {} streams",
+            "the attacker opened {} streams (stopped by {stopped_by})",
             held.len()
         );
         // An honest requester beside it still gets its job done.
