@@ -192,7 +192,8 @@ fn a_fork_bomb_is_contained_and_killed_at_the_deadline() {
     let (key, value) = mark.split_once('=').expect("marker");
     spec.env.push((key.into(), value.into()));
     spec.limits.max_processes = 32;
-    spec.limits.wall_time = Duration::from_secs(3);
+    // Long enough to reach the cap on a loaded machine.
+    spec.limits.wall_time = Duration::from_secs(10);
     let root = Arc::new(Mutex::new(None));
     let seen_root = root.clone();
     spec.on_start = Some(Box::new(move |pid| {
@@ -409,8 +410,14 @@ fn a_paused_job_stops_and_resumes() {
     };
     wait_until("the job to count", Duration::from_secs(10), || count() > 3);
     pause.set(true);
-    std::thread::sleep(Duration::from_millis(300));
-    let paused_at = count();
+    // The pause lands within the watcher's next look (20 ms), later on a loaded machine:
+    // wait for a count that holds for 300 ms, then check it holds.
+    let mut paused_at = count();
+    wait_until("the count to stop", Duration::from_secs(10), || {
+        std::thread::sleep(Duration::from_millis(300));
+        let now = count();
+        std::mem::replace(&mut paused_at, now) == now
+    });
     std::thread::sleep(Duration::from_millis(500));
     assert_eq!(count(), paused_at, "no progress while paused");
     pause.set(false);

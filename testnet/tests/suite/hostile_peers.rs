@@ -704,8 +704,10 @@ mod attacks {
                 .build();
             swarm.dial(opts).expect("dial");
         }
-        // Count until every dial has been answered and nothing has happened for 2 s
-        // (the provider closes what it refuses right after the handshake).
+        // Count until every dial has been answered, at most 8 are up and nothing has
+        // happened for 2 s (the provider closes what it refuses right after the
+        // handshake; on a loaded machine the closes may come late, so the count waits
+        // for them up to the deadline).
         let (mut up, mut answered) = (0i32, 0);
         let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
         while tokio::time::Instant::now() < deadline {
@@ -717,7 +719,7 @@ mod attacks {
                 Ok(SwarmEvent::OutgoingConnectionError { .. }) => answered += 1,
                 Ok(SwarmEvent::ConnectionClosed { .. }) => up -= 1,
                 Ok(_) => {}
-                Err(_) if answered >= 50 => break,
+                Err(_) if answered >= 50 && up <= 8 => break,
                 Err(_) => {}
             }
         }

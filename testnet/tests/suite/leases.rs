@@ -106,11 +106,12 @@ async fn two_requesters_race_for_the_last_gpu() {
     );
     // The lent GPU is advertised as leased.
     let offers = TestNet::wait_for_offers(&loser.handle, &a100, Duration::from_secs(20), |o| {
-        o.iter().all(|x| {
-            x.gpus
-                .iter()
-                .all(|g| g.state == gpunode_protocol::gpu::GpuState::Leased)
-        })
+        o.len() == 2
+            && o.iter().all(|x| {
+                x.gpus
+                    .iter()
+                    .all(|g| g.state == gpunode_protocol::gpu::GpuState::Leased)
+            })
     })
     .await
     .expect("leased state advertised");
