@@ -3,7 +3,9 @@
 //! [`Router`], which accepts its streams, bounds how many are handled at once and how
 //! long a peer may stay silent or take in all ([`StreamLimits`]), and stops in order: no new
 //! streams, then a grace period for the running handlers, then the rest are aborted.
-//! [`framing`] is the message framing all of them speak.
+//! [`framing`] is the message framing all of them speak. Streams that arrive while the
+//! router is busy wait for it, up to 64 per protocol, in the stream behaviour (our copy
+//! of libp2p-stream, `vendor/README.md`), so each one it refuses is counted.
 
 pub mod framing;
 mod gate;
