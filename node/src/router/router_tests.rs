@@ -159,6 +159,9 @@ async fn streams_that_arrive_before_the_router_takes_them_are_not_lost() {
     let _open = open_streams(&mut control, server_id, 3).await;
     // The opens are confirmed once the server has negotiated each stream; give its
     // swarm a moment to hand the last one over before the router starts taking them.
+    // A fixed pause, not a condition: nothing outside the stream behaviour can see a
+    // stream waiting in it. Too short a pause can only let the test pass without the
+    // streams having waited; it cannot make it fail.
     tokio::time::sleep(Duration::from_millis(300)).await;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let serving = tokio::spawn(router.serve(stop_rx));
