@@ -11,6 +11,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::lease::book::SignedRenewal;
 use crate::lease::desk::LocalCancel;
+use crate::lease::negotiate::ProviderAdvert;
 use crate::lease::{LeaseOpError, LeaseRecord, LeaseSendError};
 use crate::views::{NodeStatus, OfferSearch};
 use crate::NodeError;
@@ -32,11 +33,13 @@ pub(crate) enum Command {
     SendLease {
         peer: PeerId,
         addrs: Vec<Multiaddr>,
-        message: LeaseMessage,
+        // Boxed, like the terms below: a proposal (request and terms) is several times
+        // the size of most commands.
+        message: Box<LeaseMessage>,
         reply: oneshot::Sender<Result<LeaseReply, LeaseSendError>>,
     },
     RecordLease {
-        terms: LeaseTerms,
+        terms: Box<LeaseTerms>,
         provider_sig: Vec<u8>,
         requester_sig: Vec<u8>,
         reply: oneshot::Sender<Result<LeaseRecord, LeaseOpError>>,
@@ -84,11 +87,11 @@ pub(crate) enum Command {
     /// The requests waiting in this provider's queue, in serving order.
     ProviderQueue(oneshot::Sender<Vec<crate::overview::QueuedRequestView>>),
     /// Whether this node has a connection to `peer` now, and the price (millicredits
-    /// per GPU-hour) in the peer's newest verified advert it holds, without asking the
-    /// DHT: what a lease with a named provider needs, in one visit to the loop.
+    /// per GPU-hour) and GPUs in the peer's newest verified advert it holds, without
+    /// asking the DHT: what a lease with a named provider needs, in one visit to the loop.
     Reach {
         peer: PeerId,
-        reply: oneshot::Sender<(bool, Option<u64>)>,
+        reply: oneshot::Sender<(bool, Option<ProviderAdvert>)>,
     },
 }
 
@@ -131,9 +134,9 @@ impl LoopClient {
         self.ask(|reply| Command::PathTo { peer, reply }).await
     }
 
-    /// Whether this node has a connection to `peer` now, and the price in `peer`'s
-    /// newest verified advert this node holds.
-    pub async fn reach(&self, peer: PeerId) -> Result<(bool, Option<u64>), NodeError> {
+    /// Whether this node has a connection to `peer` now, and the price and GPUs in
+    /// `peer`'s newest verified advert this node holds.
+    pub async fn reach(&self, peer: PeerId) -> Result<(bool, Option<ProviderAdvert>), NodeError> {
         self.ask(|reply| Command::Reach { peer, reply }).await
     }
 
@@ -171,7 +174,7 @@ impl LoopClient {
         self.ask(|reply| Command::SendLease {
             peer,
             addrs,
-            message,
+            message: Box::new(message),
             reply,
         })
         .await
@@ -185,7 +188,7 @@ impl LoopClient {
         requester_sig: Vec<u8>,
     ) -> Result<Result<LeaseRecord, LeaseOpError>, NodeError> {
         self.ask(|reply| Command::RecordLease {
-            terms,
+            terms: Box::new(terms),
             provider_sig,
             requester_sig,
             reply,

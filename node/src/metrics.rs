@@ -27,6 +27,9 @@ pub struct Metrics {
     pub lease_messages: Counter,
     /// Lease messages refused, by reason (`replay`, `bad_signature`, `no_capacity`, ...).
     pub leases_rejected: Family<Vec<(String, String)>, Counter>,
+    /// Proposed leases, by answer (`granted` at once; `offered`: other terms, as the
+    /// requester's view of this node's advert was out of date; `queued`, `refused`).
+    pub lease_proposals: Family<Vec<(String, String)>, Counter>,
     /// Leases active on this node (either side).
     pub leases_active: Gauge,
     /// GPUs this node has lent or holds for an offer.
@@ -114,6 +117,7 @@ impl Metrics {
         );
         let lease_messages = Counter::default();
         let leases_rejected = Family::<Vec<(String, String)>, Counter>::default();
+        let lease_proposals = Family::<Vec<(String, String)>, Counter>::default();
         let leases_active = Gauge::default();
         let leased_gpus = Gauge::default();
         registry.register(
@@ -125,6 +129,11 @@ impl Metrics {
             "leases_rejected",
             "Lease messages refused, by reason",
             leases_rejected.clone(),
+        );
+        registry.register(
+            "lease_proposals",
+            "Leases proposed with their request, by answer (granted at once, offered other terms, queued, refused)",
+            lease_proposals.clone(),
         );
         registry.register(
             "leases_active",
@@ -262,6 +271,7 @@ impl Metrics {
             adverts_rejected,
             lease_messages,
             leases_rejected,
+            lease_proposals,
             leases_active,
             leased_gpus,
         })
@@ -369,6 +379,20 @@ impl Metrics {
         self.leases_rejected
             .get_or_create(&vec![("reason".to_string(), reason.to_string())])
             .inc();
+    }
+
+    /// Counts a proposed lease answered with `answer` (`granted`, `offered`, ...).
+    pub fn lease_proposal(&self, answer: &str) {
+        self.lease_proposals
+            .get_or_create(&vec![("answer".to_string(), answer.to_string())])
+            .inc();
+    }
+
+    /// How many proposed leases were answered with `answer`.
+    pub fn lease_proposal_count(&self, answer: &str) -> u64 {
+        self.lease_proposals
+            .get_or_create(&vec![("answer".to_string(), answer.to_string())])
+            .get()
     }
 
     /// How many lease messages were refused for `reason`.

@@ -34,6 +34,15 @@ pub const LEASE_VERSION: u16 = 1;
 pub const RESERVATION_MIN_LEAD_MS: u64 = 15_000;
 /// Largest lease protocol message, either direction.
 pub const MAX_LEASE_MESSAGE_BYTES: usize = 64 * 1024;
+/// How far before the provider's now a proposed lease may start. A lease is billed from
+/// its start, so an earlier start costs only the requester who proposed it; a start
+/// after the provider's now is never granted (it would leave the time until then
+/// unbilled).
+pub const PROPOSAL_START_SLACK_MS: u64 = 5_000;
+/// How long before its own now a requester starts the lease it proposes, so that a
+/// provider whose clock is a little behind (synchronised clocks differ by a few ms)
+/// still finds the start passed. The requester pays for it: 25 ms of lease time.
+pub const PROPOSAL_START_LEAD_MS: u64 = 25;
 
 /// A lease's identifier: 16 random bytes, shown as 32 hex digits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -270,6 +279,21 @@ pub enum LeaseMessage {
         /// Its signature.
         signature: Vec<u8>,
     },
+    /// Steps 1 and 3 at once: a request with the terms the requester expects to be
+    /// offered, already countersigned. A provider that would offer exactly these terms
+    /// (save a start up to [`PROPOSAL_START_SLACK_MS`] before its own now) signs them and
+    /// activates the lease at once ([`LeaseReply::Granted`]); otherwise it answers as it
+    /// answers the request alone (an offer, a queue place or a refusal). Appended last,
+    /// so a provider that predates it refuses it as `malformed` and the requester asks
+    /// with the request alone.
+    Propose {
+        /// The request, as [`LeaseMessage::Request`] would carry it.
+        request: LeaseRequest,
+        /// The terms the requester signs.
+        terms: LeaseTerms,
+        /// The requester's signature over `terms`.
+        requester_sig: Vec<u8>,
+    },
 }
 
 /// Why a provider (or requester) refused.
@@ -427,6 +451,14 @@ pub enum LeaseReply {
     /// Not now: the request waits in the provider's queue; ask again (with the same
     /// ticket) within a few seconds to keep the place.
     Queued(QueuePlace),
+    /// The proposed terms are the lease: signed by the provider too, active and durably
+    /// stored by it.
+    Granted {
+        /// The lease.
+        lease_id: LeaseId,
+        /// The provider's signature over the proposed terms.
+        provider_sig: Vec<u8>,
+    },
 }
 
 /// Decodes a lease message, mapping failures to the rejection a peer is sent.

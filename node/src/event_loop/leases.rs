@@ -1,8 +1,8 @@
 //! The event loop's lease side: inbound lease messages go to the lease desk, which
 //! decides; the loop carries out what it says (store writes, jobs stopped, settlement,
-//! republishing), and replies that bind (activated, renewed, cancelled) wait until one
-//! flush has made a whole batch durable (group commit), while offers and refusals leave
-//! at once; outbound messages are routed back to their callers.
+//! republishing), and replies that bind (activated, granted, renewed, cancelled) wait
+//! until one flush has made a whole batch durable (group commit), while offers and
+//! refusals leave at once; outbound messages are routed back to their callers.
 
 use gpunode_protocol::lease::{LeaseMessage, LeaseReply, RejectCode, Rejection};
 use gpunode_protocol::time::now_ms;
@@ -88,9 +88,18 @@ impl EventLoop {
         channel: ResponseChannel<LeaseReply>,
     ) {
         self.metrics.lease_messages.inc();
+        let proposal = matches!(request, InboundLease::Message(LeaseMessage::Propose { .. }));
         let (reply, effects) = self
             .desk
             .on_message(&peer, request, &self.standings, now_ms());
+        if proposal {
+            self.metrics.lease_proposal(match &reply {
+                LeaseReply::Granted { .. } => "granted",
+                LeaseReply::Offer { .. } => "offered",
+                LeaseReply::Queued(_) => "queued",
+                _ => "refused",
+            });
+        }
         if let LeaseReply::Rejected(r) = &reply {
             tracing::debug!(%peer, "lease message rejected: {}", r.message);
             self.metrics.lease_rejected(r.code.label());
@@ -288,8 +297,8 @@ pub(crate) fn capacity_from(snapshot: &InventorySnapshot, cpus: u32, mem_bytes: 
     }
 }
 
-/// Whether `reply` acknowledges a change both sides rely on (an active, renewed or
-/// cancelled lease), so it may leave only once the change is durable. An offer binds
+/// Whether `reply` acknowledges a change both sides rely on (an active, granted,
+/// renewed or cancelled lease), so it may leave only once the change is durable. An offer binds
 /// nothing until its accept, which is written and flushed before `Activated` leaves: a
 /// crash before the next flush loses the hold (the accept is then refused as
 /// `unknown_lease` and the requester asks again) and the request's nonce (a replay of
@@ -298,6 +307,7 @@ pub(crate) fn capacity_from(snapshot: &InventorySnapshot, cpus: u32, mem_bytes: 
 fn binds(reply: &LeaseReply) -> bool {
     match reply {
         LeaseReply::Activated { .. }
+        | LeaseReply::Granted { .. }
         | LeaseReply::Renewed { .. }
         | LeaseReply::Cancelled { .. } => true,
         LeaseReply::Offer { .. } | LeaseReply::Rejected(_) | LeaseReply::Queued(_) => false,

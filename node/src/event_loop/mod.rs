@@ -43,6 +43,7 @@ pub(crate) use swarm::dial_bootstrap;
 
 use crate::adverts::{AdvertBook, LocalOffer};
 use crate::inventory::InventorySnapshot;
+use crate::lease::negotiate::ProviderAdvert;
 use crate::lease::{LeaseDesk, LeaseOpError, LeaseRecord, LeaseSendError};
 use crate::loop_client::Command;
 use crate::metrics::Metrics;
@@ -323,14 +324,15 @@ impl EventLoop {
                 addrs,
                 message,
                 reply,
-            } => self.send_lease(peer, addrs, message, reply),
+            } => self.send_lease(peer, addrs, *message, reply),
             Command::RecordLease {
                 terms,
                 provider_sig,
                 requester_sig,
                 reply,
             } => {
-                let _ = reply.send(self.record_requester_lease(terms, provider_sig, requester_sig));
+                let _ =
+                    reply.send(self.record_requester_lease(*terms, provider_sig, requester_sig));
             }
             Command::ApplyRenewal { signed, reply } => {
                 let _ = reply.send(self.apply_renewal(signed));
@@ -369,11 +371,11 @@ impl EventLoop {
                 let _ = reply.send(self.known_providers());
             }
             Command::Reach { peer, reply } => {
-                let price = self
-                    .book
-                    .latest(&peer, now_ms())
-                    .map(|a| a.price_per_gpu_hour_millicredits);
-                let _ = reply.send((self.connections.contains_key(&peer), price));
+                let advertised = self.book.latest(&peer, now_ms()).map(|a| ProviderAdvert {
+                    price: a.price_per_gpu_hour_millicredits,
+                    gpus: a.gpus.clone(),
+                });
+                let _ = reply.send((self.connections.contains_key(&peer), advertised));
             }
             Command::TeamAllowed { peers } => self.set_team_allowed(peers),
             Command::GetLeases { ids, reply } => {

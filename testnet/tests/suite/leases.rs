@@ -119,6 +119,69 @@ async fn two_requesters_race_for_the_last_gpu() {
     net.shutdown().await;
 }
 
+/// A requester that holds the provider's current advert proposes the terms with its
+/// request and gets the lease in one round trip; the second lease, proposed from
+/// whatever advert the requester holds by then (current, or one that still shows the
+/// first GPU idle), is granted or offered on the other GPU. Both are active, signed by
+/// both, on different GPUs, and the provider counted each proposal's answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_proposed_from_the_providers_advert_is_granted_in_one_round_trip() {
+    let net = TestNet::gpu_providers(&["2xA100-80GB"])
+        .with_clients(1)
+        .start()
+        .await
+        .expect("start");
+    let client = net.client(0);
+    let a100 = OfferFilter {
+        gpu_model: Some("A100".into()),
+        ..OfferFilter::default()
+    };
+    TestNet::wait_for_offers(&client.handle, &a100, Duration::from_secs(20), |o| {
+        o.len() == 1 && o[0].gpus.len() == 2
+    })
+    .await
+    .expect("provider visible");
+    let provider = net.provider_id(0);
+    let metrics = net.provider(0).handle.metrics().clone();
+    let first = client
+        .handle
+        .request_lease(spec().peer(provider.clone()))
+        .await
+        .expect("first lease");
+    assert_eq!(metrics.lease_proposal_count("granted"), 1);
+    assert_eq!(metrics.lease_messages.get(), 1, "one message: the proposal");
+    let second = client
+        .handle
+        .request_lease(spec().peer(provider.clone()))
+        .await
+        .expect("second lease");
+    assert_eq!(
+        metrics.lease_proposal_count("granted") + metrics.lease_proposal_count("offered"),
+        2
+    );
+    for lease in [&first, &second] {
+        assert_eq!(lease.state, LeaseState::Active);
+        assert_eq!(
+            (
+                lease.provider_signature.as_str(),
+                lease.requester_signature.as_str()
+            ),
+            ("valid", "valid")
+        );
+    }
+    assert_ne!(first.gpus[0].uuid, second.gpus[0].uuid);
+    let on_provider = net.provider(0).handle.list_leases().await.expect("list");
+    for lease in [&first, &second] {
+        let there = on_provider
+            .iter()
+            .find(|l| l.lease_id == lease.lease_id)
+            .expect("the provider holds the lease");
+        assert_eq!(there.state, LeaseState::Active);
+        assert_eq!(there.requester_signature, "valid");
+    }
+    net.shutdown().await;
+}
+
 #[derive(Clone, Default)]
 struct RawCodec;
 

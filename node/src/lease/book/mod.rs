@@ -19,6 +19,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use gpunode_protocol::lease::{
     Cancellation, LeaseId, LeaseRequest, LeaseTerms, RejectCode, Rejection, Renewal, LEASE_VERSION,
+    PROPOSAL_START_SLACK_MS,
 };
 use gpunode_protocol::time::{UnixMillis, MAX_CLOCK_SKEW_MS};
 use gpunode_protocol::{Keypair, PeerId};
@@ -58,6 +59,57 @@ pub const MAX_REQUEST_LIFETIME_MS: u64 = 600_000;
 
 fn reject(code: RejectCode, message: impl Into<String>) -> Rejection {
     Rejection::new(code, message)
+}
+
+/// Our signature over `terms`, or the refusal when the key cannot sign.
+fn sign_terms(terms: &LeaseTerms, key: &Keypair) -> Result<Vec<u8>, Rejection> {
+    terms.sign(key).map_err(|e| {
+        reject(
+            RejectCode::InvalidRequest,
+            format!("provider cannot sign: {e}"),
+        )
+    })
+}
+
+/// What a provider answers a proposal (see [`LeaseBook::on_proposal`]).
+// Made once per proposal and turned straight into a reply; boxing would buy nothing.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ProposalAnswer {
+    /// The proposed terms are an active lease; our signature over them.
+    Granted {
+        /// Our signature.
+        provider_sig: Vec<u8>,
+    },
+    /// Other terms, held and offered as for a request alone.
+    Offered {
+        /// The terms.
+        terms: LeaseTerms,
+        /// Our signature.
+        provider_sig: Vec<u8>,
+    },
+}
+
+/// Whether `proposed` are the terms `offered` a provider would sign now, as a lease
+/// active at once: the same in every field but the start (and so the end, the same
+/// duration later) and the offer's expiry, which means nothing for a lease active at
+/// once; a start not after `now` and at most [`PROPOSAL_START_SLACK_MS`] before it; and
+/// not a reservation (those start when they were asked to, later).
+pub fn proposal_fits(offered: &LeaseTerms, proposed: &LeaseTerms, now: UnixMillis) -> bool {
+    if offered.start_ms != now
+        || proposed.start_ms > now
+        || proposed.start_ms.saturating_add(PROPOSAL_START_SLACK_MS) < now
+    {
+        return false;
+    }
+    let duration = offered.end_ms.saturating_sub(offered.start_ms);
+    let expected = LeaseTerms {
+        start_ms: proposed.start_ms,
+        end_ms: proposed.start_ms.saturating_add(duration),
+        offer_expires_ms: proposed.offer_expires_ms,
+        ..offered.clone()
+    };
+    expected == *proposed
 }
 
 impl LeaseBook {
@@ -250,6 +302,63 @@ impl LeaseBook {
         now: UnixMillis,
         prefer: &[u32],
     ) -> Result<(LeaseTerms, Vec<u8>), Rejection> {
+        let terms = self.terms_for(from, req, lease_id, now, prefer)?;
+        self.hold(terms, key, now)
+    }
+
+    /// Steps 2 and 4 at once, as provider: the request is judged as
+    /// [`Self::on_request_preferring`] judges it, and when the terms it would offer are
+    /// the `proposed` ones (the requester's id and start, see [`proposal_fits`]) the
+    /// requester's signature is checked and the lease is active at once, signed by both:
+    /// [`ProposalAnswer::Granted`] with our signature. Terms that differ (a GPU taken
+    /// meanwhile, another price, a clock too far off) are held and offered as usual.
+    #[allow(clippy::too_many_arguments)]
+    pub fn on_proposal(
+        &mut self,
+        from: &PeerId,
+        req: &LeaseRequest,
+        (proposed, requester_sig): (&LeaseTerms, &[u8]),
+        lease_id: LeaseId,
+        key: &Keypair,
+        now: UnixMillis,
+        prefer: &[u32],
+    ) -> Result<ProposalAnswer, Rejection> {
+        let terms = self.terms_for(from, req, lease_id, now, prefer)?;
+        if !proposal_fits(&terms, proposed, now) {
+            let (terms, provider_sig) = self.hold(terms, key, now)?;
+            return Ok(ProposalAnswer::Offered {
+                terms,
+                provider_sig,
+            });
+        }
+        proposed.verify(from, requester_sig)?;
+        let provider_sig = sign_terms(proposed, key)?;
+        let id = proposed.lease_id;
+        self.put(LeaseRecord {
+            terms: proposed.clone(),
+            provider_sig: provider_sig.clone(),
+            requester_sig: Some(requester_sig.to_vec()),
+            signed_end_ms: proposed.end_ms,
+            renewals: Vec::new(),
+            role: LeaseRole::Provider,
+            state: LeaseState::Active,
+            updated_ms: now,
+        });
+        self.changes.push(Change::Lease(id));
+        Ok(ProposalAnswer::Granted { provider_sig })
+    }
+
+    /// The terms this provider would offer for `req` under `lease_id`, after every check
+    /// of the request, the policy and the capacity (the request's nonce is spent from
+    /// the first check that passes on). Nothing is held yet.
+    fn terms_for(
+        &mut self,
+        from: &PeerId,
+        req: &LeaseRequest,
+        lease_id: LeaseId,
+        now: UnixMillis,
+        prefer: &[u32],
+    ) -> Result<LeaseTerms, Rejection> {
         self.check_valid(from, req, now)?;
         // The nonce is spent from here on, whatever the answer.
         let keep_until = req.expires_at_ms.max(now).saturating_add(MAX_CLOCK_SKEW_MS);
@@ -264,7 +373,7 @@ impl LeaseBook {
         } else {
             self.allocate(from, req, prefer, now)?
         };
-        let terms = LeaseTerms {
+        Ok(LeaseTerms {
             version: LEASE_VERSION,
             lease_id,
             provider: self.local,
@@ -278,13 +387,18 @@ impl LeaseBook {
             price_per_gpu_hour_millicredits: self.policy.price_per_gpu_hour_millicredits,
             request_nonce: req.nonce,
             offer_expires_ms: now + self.policy.offer_window_ms,
-        };
-        let sig = terms.sign(key).map_err(|e| {
-            reject(
-                RejectCode::InvalidRequest,
-                format!("provider cannot sign: {e}"),
-            )
-        })?;
+        })
+    }
+
+    /// Signs `terms` and holds what they name for the offer window: an offer.
+    fn hold(
+        &mut self,
+        terms: LeaseTerms,
+        key: &Keypair,
+        now: UnixMillis,
+    ) -> Result<(LeaseTerms, Vec<u8>), Rejection> {
+        let sig = sign_terms(&terms, key)?;
+        let lease_id = terms.lease_id;
         self.put(LeaseRecord {
             terms: terms.clone(),
             provider_sig: sig.clone(),

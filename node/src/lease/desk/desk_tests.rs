@@ -536,3 +536,225 @@ fn fair_share_restored_from_the_store_orders_the_queue() {
     );
     assert!(desk.waiting.usage_gpu_ms(&heavy.id().to_string(), NOW) > 99.0 * HOUR as f64);
 }
+
+impl Peer {
+    /// A request for `gpus` GPUs with the terms `desk` would offer for it (its GPUs from
+    /// index 0 on, its price, a start a second before `now`) under `id`, signed.
+    fn propose(
+        &mut self,
+        desk: &LeaseDesk,
+        gpus: u32,
+        id: LeaseId,
+        now: UnixMillis,
+    ) -> InboundLease {
+        let InboundLease::Message(LeaseMessage::Request(request)) = self.request(gpus, None, now)
+        else {
+            unreachable!("a request")
+        };
+        let start = now - 1_000;
+        let terms = LeaseTerms {
+            version: LEASE_VERSION,
+            lease_id: id,
+            provider: desk.local,
+            requester: self.id(),
+            gpus: (0..gpus)
+                .map(|i| gpunode_protocol::lease::LeasedGpu {
+                    index: i,
+                    uuid: format!("GPU-{i}"),
+                    model: "A100-80GB".into(),
+                    memory_bytes: 80 << 30,
+                })
+                .collect(),
+            cpus: 1,
+            mem_bytes: 1 << 30,
+            backend: "wasm".into(),
+            start_ms: start,
+            end_ms: start + HOUR,
+            price_per_gpu_hour_millicredits: desk.book.policy().price_per_gpu_hour_millicredits,
+            request_nonce: request.nonce,
+            offer_expires_ms: request.expires_at_ms,
+        };
+        InboundLease::Message(LeaseMessage::Propose {
+            requester_sig: terms.sign(&self.key).expect("sign"),
+            request,
+            terms,
+        })
+    }
+}
+
+/// A proposal of the terms the provider would offer is the lease at once: granted with
+/// the provider's signature over the proposed terms, active, stored with both
+/// signatures, its GPUs held and its quota counted, and its reply waits for a flush
+/// (it binds).
+#[test]
+fn a_proposal_of_the_offered_terms_is_granted_in_one_round_trip() {
+    let mut desk = desk(2);
+    let mut peer = Peer::new();
+    let t = Table::default();
+    let id = LeaseId([9; 16]);
+    let (reply, effects) = desk.on_message(&peer.id(), peer.propose(&desk, 1, id, NOW), &t, NOW);
+    let LeaseReply::Granted {
+        lease_id,
+        provider_sig,
+    } = reply
+    else {
+        panic!("expected a grant, got {reply:?}");
+    };
+    assert_eq!(lease_id, id);
+    let record = desk.book().get(&id).expect("stored").clone();
+    assert_eq!(record.state, LeaseState::Active);
+    assert_eq!(
+        record.terms.start_ms,
+        NOW - 1_000,
+        "the proposed terms, as signed"
+    );
+    record
+        .terms
+        .verify(&desk.local, &provider_sig)
+        .expect("the provider signed the proposed terms");
+    record
+        .terms
+        .verify(
+            &peer.id(),
+            record.requester_sig.as_deref().expect("countersigned"),
+        )
+        .expect("the requester's signature is kept");
+    assert_eq!(effects.quota, vec![(peer.id(), NOW, 1, HOUR)]);
+    assert!(effects.republish, "its GPU is now lent");
+    assert!(effects.writes.contains(&Change::Lease(id)));
+    // A proposal of the GPU just lent does not fit: the provider offers the free one
+    // instead, held as any offer, and the requester judges that offer as usual.
+    let (reply, _) = desk.on_message(
+        &peer.id(),
+        peer.propose(&desk, 1, LeaseId([10; 16]), NOW),
+        &t,
+        NOW,
+    );
+    let LeaseReply::Offer { terms, .. } = &reply else {
+        panic!("expected an offer of the other GPU, got {reply:?}");
+    };
+    assert_eq!(terms.gpus[0].uuid, "GPU-1");
+    assert_eq!(
+        desk.book().get(&terms.lease_id).unwrap().state,
+        LeaseState::Offered
+    );
+    let (reply, _) = desk.on_message(&peer.id(), peer.accept(&reply), &t, NOW + 1);
+    assert!(matches!(reply, LeaseReply::Activated { .. }), "{reply:?}");
+}
+
+/// What an attacker might put in a proposal: terms signed by someone else, the id of a
+/// lease the provider already holds, a start the provider has not reached or long
+/// past, a price below the provider's. None becomes a lease as proposed: a bad
+/// signature is refused and holds nothing; the rest get the provider's own offer, under
+/// a fresh id where the proposed one is taken, and the lease already there is
+/// untouched.
+#[test]
+fn a_proposal_that_is_not_the_offered_terms_never_becomes_a_lease_as_proposed() {
+    let mut desk = desk(1);
+    let mut peer = Peer::new();
+    let mallory = Peer::new();
+    let t = Table::default();
+    let InboundLease::Message(LeaseMessage::Propose {
+        request,
+        terms,
+        requester_sig: _,
+    }) = peer.propose(&desk, 1, LeaseId([1; 16]), NOW)
+    else {
+        unreachable!()
+    };
+    let forged = InboundLease::Message(LeaseMessage::Propose {
+        requester_sig: terms.sign(&mallory.key).unwrap(),
+        request,
+        terms,
+    });
+    let (reply, effects) = desk.on_message(&peer.id(), forged, &t, NOW);
+    assert_eq!(rejected(&reply), RejectCode::BadSignature);
+    assert!(desk.book().get(&LeaseId([1; 16])).is_none());
+    assert!(!effects.republish, "nothing is held");
+
+    let other = LeaseId([2; 16]);
+    let (reply, _) = desk.on_message(&peer.id(), peer.propose(&desk, 0, other, NOW), &t, NOW);
+    assert!(matches!(reply, LeaseReply::Granted { .. }), "{reply:?}");
+    let before = desk.book().get(&other).unwrap().clone();
+    let (reply, _) = desk.on_message(&peer.id(), peer.propose(&desk, 1, other, NOW), &t, NOW);
+    let LeaseReply::Offer { terms, .. } = &reply else {
+        panic!("expected an offer under a fresh id, got {reply:?}");
+    };
+    assert_ne!(terms.lease_id, other);
+    assert_eq!(
+        desk.book().get(&other),
+        Some(&before),
+        "the lease there is untouched"
+    );
+    let (reply, _) = desk.on_message(
+        &peer.id(),
+        InboundLease::Message(LeaseMessage::Cancel {
+            cancellation: Cancellation {
+                lease_id: terms.lease_id,
+                by: peer.id(),
+                at_ms: NOW,
+            },
+            signature: Cancellation {
+                lease_id: terms.lease_id,
+                by: peer.id(),
+                at_ms: NOW,
+            }
+            .sign(&peer.key)
+            .unwrap(),
+        }),
+        &t,
+        NOW,
+    );
+    assert!(matches!(reply, LeaseReply::Cancelled { .. }), "{reply:?}");
+
+    type Alter = fn(&mut LeaseTerms);
+    let altered: [(&str, Alter); 4] = [
+        ("a start the provider has not reached", |t| {
+            t.start_ms = NOW + 10;
+            t.end_ms = NOW + 10 + HOUR;
+        }),
+        ("a start long past", |t| {
+            t.start_ms = NOW - 6_000;
+            t.end_ms = NOW - 6_000 + HOUR;
+        }),
+        ("a lower price", |t| t.price_per_gpu_hour_millicredits /= 2),
+        ("a longer lease", |t| t.end_ms += 1),
+    ];
+    for (n, (what, alter)) in altered.into_iter().enumerate() {
+        let id = LeaseId([20 + n as u8; 16]);
+        let InboundLease::Message(LeaseMessage::Propose {
+            request, mut terms, ..
+        }) = peer.propose(&desk, 1, id, NOW)
+        else {
+            unreachable!()
+        };
+        alter(&mut terms);
+        let message = InboundLease::Message(LeaseMessage::Propose {
+            requester_sig: terms.sign(&peer.key).unwrap(),
+            request,
+            terms: terms.clone(),
+        });
+        let (reply, _) = desk.on_message(&peer.id(), message, &t, NOW);
+        let LeaseReply::Offer { terms: offered, .. } = &reply else {
+            panic!("{what}: expected the provider's own offer, got {reply:?}");
+        };
+        assert_ne!(offered, &terms, "{what}");
+        assert_eq!(offered.start_ms, NOW, "{what}");
+        assert_eq!(
+            desk.book().get(&id).unwrap().state,
+            LeaseState::Offered,
+            "{what}"
+        );
+        // Released, so the next case finds the GPU free.
+        let cancellation = Cancellation {
+            lease_id: id,
+            by: peer.id(),
+            at_ms: NOW,
+        };
+        let message = InboundLease::Message(LeaseMessage::Cancel {
+            signature: cancellation.sign(&peer.key).unwrap(),
+            cancellation,
+        });
+        desk.on_message(&peer.id(), message, &t, NOW);
+    }
+}

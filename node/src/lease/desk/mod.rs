@@ -30,7 +30,7 @@ use gpunode_sched::{Order, Standing};
 use libp2p::identity::Keypair;
 use libp2p::PeerId;
 
-use super::book::{Advertised, Change, SignedRenewal};
+use super::book::{Advertised, Change, ProposalAnswer, SignedRenewal};
 use super::codec::InboundLease;
 use super::errors::LeaseOpError;
 use super::{LeaseBook, LeaseRecord, LeaseRole};
@@ -231,7 +231,17 @@ impl LeaseDesk {
         now: UnixMillis,
     ) -> Result<LeaseReply, Rejection> {
         match message {
-            LeaseMessage::Request(req) => Ok(self.on_request(peer, &req, standings, effects, now)),
+            LeaseMessage::Request(req) => {
+                Ok(self.on_request(peer, &req, None, standings, effects, now))
+            }
+            LeaseMessage::Propose {
+                request,
+                terms,
+                requester_sig,
+            } => {
+                let proposal = Some((&terms, requester_sig.as_slice()));
+                Ok(self.on_request(peer, &request, proposal, standings, effects, now))
+            }
             LeaseMessage::Accept {
                 terms,
                 provider_sig,
@@ -261,11 +271,13 @@ impl LeaseDesk {
         }
     }
 
-    /// A new lease request: the checks in order, then the queue, then the book.
+    /// A new lease request (with the terms its requester proposes, if any): the checks
+    /// in order, then the queue, then the book.
     fn on_request(
         &mut self,
         peer: &PeerId,
         req: &LeaseRequest,
+        proposal: Option<(&LeaseTerms, &[u8])>,
         standings: &dyn Standings,
         effects: &mut Effects,
         now: UnixMillis,
@@ -280,7 +292,7 @@ impl LeaseDesk {
             }
             Ok(Decision::Queued(place)) => LeaseReply::Queued(place),
             Ok(Decision::Refused(r)) => LeaseReply::Rejected(r),
-            Ok(Decision::Grant(prefer)) => self.grant(peer, req, &prefer, effects, now),
+            Ok(Decision::Grant(prefer)) => self.grant(peer, req, proposal, &prefer, effects, now),
         }
     }
 
@@ -309,27 +321,69 @@ impl LeaseDesk {
         self.book.check_request(peer, req, now)
     }
 
-    /// The book offers terms on the GPUs the queue chose.
+    /// The book offers terms on the GPUs the queue chose; with a proposal, on the GPUs
+    /// it names when the queue chose none, under the id it names when that id is new
+    /// here, and the proposed terms become the lease at once when they are the ones the
+    /// book would offer.
     fn grant(
         &mut self,
         peer: &PeerId,
         req: &LeaseRequest,
+        proposal: Option<(&LeaseTerms, &[u8])>,
         prefer: &[u32],
         effects: &mut Effects,
         now: UnixMillis,
     ) -> LeaseReply {
-        let id = LeaseId(self.fixed_lease_id.unwrap_or_else(rand::random));
-        match self
-            .book
-            .on_request_preferring(peer, req, id, &self.keypair, now, prefer)
-        {
-            Ok((terms, provider_sig)) => {
+        // A proposed id is taken only when nothing here has it (a lease of any role):
+        // a requester must never overwrite another record.
+        let proposed_id = proposal
+            .map(|(terms, _)| terms.lease_id)
+            .filter(|id| self.fixed_lease_id.is_none() && self.book.get(id).is_none());
+        let id = proposed_id
+            .unwrap_or_else(|| LeaseId(self.fixed_lease_id.unwrap_or_else(rand::random)));
+        let proposed_gpus: Vec<u32>;
+        let prefer = match proposal {
+            Some((terms, _)) if prefer.is_empty() => {
+                proposed_gpus = terms.gpus.iter().map(|g| g.index).collect();
+                &proposed_gpus[..]
+            }
+            _ => prefer,
+        };
+        let answer = match proposal {
+            Some(proposal) => {
+                self.book
+                    .on_proposal(peer, req, proposal, id, &self.keypair, now, prefer)
+            }
+            None => self
+                .book
+                .on_request_preferring(peer, req, id, &self.keypair, now, prefer)
+                .map(|(terms, provider_sig)| ProposalAnswer::Offered {
+                    terms,
+                    provider_sig,
+                }),
+        };
+        match answer {
+            Ok(answer) => {
                 effects
                     .fair_share
                     .push(self.waiting.granted(peer, req, now));
-                LeaseReply::Offer {
-                    terms,
-                    provider_sig,
+                match answer {
+                    ProposalAnswer::Offered {
+                        terms,
+                        provider_sig,
+                    } => LeaseReply::Offer {
+                        terms,
+                        provider_sig,
+                    },
+                    ProposalAnswer::Granted { provider_sig } => {
+                        effects
+                            .quota
+                            .push((*peer, now, req.requirements.gpus, req.duration_ms));
+                        LeaseReply::Granted {
+                            lease_id: id,
+                            provider_sig,
+                        }
+                    }
                 }
             }
             Err(r) => {

@@ -1,25 +1,36 @@
 //! Which providers to ask for a lease, and in what order: the one named, or those whose
 //! offers match (reputable ones with enough idle GPUs first, then by `rank`), each with
-//! where to reach it and the price it advertised.
+//! where to reach it and what it advertised (price and GPUs).
 
 use gpunode_protocol::advert::OfferFilter;
 use gpunode_protocol::PeerId;
 use libp2p::Multiaddr;
 
+use super::propose::ProviderAdvert;
 use super::{rank, LeaseError, Negotiator, REPUTATION_FLOOR};
 use crate::ledger::reputation::NEUTRAL;
 use crate::views::LeaseSpec;
 
-/// A provider to ask, where to reach it (nothing when connected), and the price it
-/// advertised (millicredits per GPU-hour), when known: an offer above the advertised
-/// price is refused even without --max-price.
+/// A provider to ask, where to reach it (nothing when connected), and its newest
+/// advert's price and GPUs, when known: an offer above the advertised price is refused
+/// even without --max-price, and the terms it would offer can be proposed.
 pub(super) struct Candidate {
     /// The provider.
     pub(super) peer: PeerId,
     /// Where to reach it.
     pub(super) addrs: Vec<Multiaddr>,
-    /// The price it advertised.
-    pub(super) advertised: Option<u64>,
+    /// What it advertised.
+    pub(super) advertised: Option<ProviderAdvert>,
+}
+
+impl ProviderAdvert {
+    /// What `o` advertises.
+    fn of(o: &crate::OfferView) -> ProviderAdvert {
+        ProviderAdvert {
+            price: (o.price_per_gpu_hour * 1000.0).round() as u64,
+            gpus: o.gpus.clone(),
+        }
+    }
 }
 
 /// The providers to ask, and the search they came from (none for a named provider).
@@ -55,10 +66,10 @@ impl Negotiator {
             .unwrap_or_default()
     }
 
-    /// Where to reach `peer` (nothing when connected) and the price it advertises
-    /// (millicredits per GPU-hour), when its advert is known. A connected peer whose
-    /// advert this node already verified costs no DHT request.
-    async fn target_of(&self, peer: PeerId) -> (Vec<Multiaddr>, Option<u64>) {
+    /// Where to reach `peer` (nothing when connected) and what it advertises, when its
+    /// advert is known. A connected peer whose advert this node already verified costs
+    /// no DHT request.
+    async fn target_of(&self, peer: PeerId) -> (Vec<Multiaddr>, Option<ProviderAdvert>) {
         let (connected, known) = self.client.reach(peer).await.unwrap_or((false, None));
         if connected && known.is_some() {
             return (Vec::new(), known);
@@ -68,15 +79,12 @@ impl Negotiator {
             .await
             .ok()
             .and_then(|v| v.into_iter().next());
-        let price = advert
-            .as_ref()
-            .map(|o| (o.price_per_gpu_hour * 1000.0).round() as u64)
-            .or(known);
+        let advertised = advert.as_ref().map(ProviderAdvert::of).or(known);
         let addrs = match advert {
             Some(o) if !connected => listen_multiaddrs(&o),
             _ => Vec::new(),
         };
-        (addrs, price)
+        (addrs, advertised)
     }
 
     /// The providers to ask for `spec`, in order: the one it names, or those whose
@@ -156,7 +164,7 @@ impl Negotiator {
                 Some(Candidate {
                     peer,
                     addrs: listen_multiaddrs(o),
-                    advertised: Some((o.price_per_gpu_hour * 1000.0).round() as u64),
+                    advertised: Some(ProviderAdvert::of(o)),
                 })
             })
             .collect();

@@ -7,14 +7,15 @@
 mod candidates;
 mod held;
 mod offers;
+mod propose;
 mod recent;
 
 use crate::lease::LeaseSendError;
 use std::time::Duration;
 
 use gpunode_protocol::lease::{
-    LeaseMessage, LeaseReply, LeaseRequest, LeaseTerms, QueuePlace, Rejection, Requirements,
-    LEASE_VERSION,
+    LeaseMessage, LeaseReply, LeaseRequest, LeaseTerms, QueuePlace, RejectCode, Rejection,
+    Requirements, LEASE_VERSION,
 };
 use gpunode_protocol::time::now_ms;
 use gpunode_protocol::PeerId;
@@ -27,6 +28,7 @@ use crate::NodeError;
 use candidates::{describe, Candidate};
 
 pub use offers::{check_offer, describe_place, rank, REPUTATION_FLOOR};
+pub use propose::ProviderAdvert;
 
 /// Why one provider did not grant a lease.
 enum NotGranted {
@@ -46,6 +48,16 @@ impl NotGranted {
             Err(e) => NotGranted::Refused(e.to_string()),
         }
     }
+}
+
+/// What a provider answered a proposal.
+enum Proposed {
+    /// It granted the proposed terms (recorded here), or its grant was refused.
+    Granted(Result<LeaseView, NotGranted>),
+    /// It answered as to the request alone: an offer of other terms, or why not.
+    Offered(Result<(LeaseTerms, Vec<u8>), NotGranted>),
+    /// It could not read the proposal (it predates them): ask with the request alone.
+    Unheard,
 }
 
 /// How long a lease request stays valid.
@@ -269,12 +281,13 @@ impl Negotiator {
             advertised,
         } in candidates
         {
-            let max_price = match (max_price, advertised) {
+            let max_price = match (max_price, advertised.as_ref().map(|a| a.price)) {
                 (Some(m), Some(a)) => Some(m.min(a)),
                 (m, a) => m.or(a),
             };
+            let provider = (peer, addrs, advertised.as_ref());
             match self
-                .negotiate_with(peer, addrs, spec, max_price, accepting)
+                .negotiate_with(provider, spec, max_price, accepting)
                 .await?
             {
                 Ok(view) => return Ok(view),
@@ -293,18 +306,34 @@ impl Negotiator {
         })
     }
 
-    /// Negotiates with one provider: the request, its offer checked, our acceptance
-    /// (`accepting` told as it goes out), and the lease recorded.
+    /// Negotiates with one provider (where to reach it, what it advertised): the
+    /// request, its offer checked, our acceptance (`accepting` told as it goes out), and
+    /// the lease recorded. When the provider's terms can be foreseen from its advert,
+    /// the request carries them, countersigned, and a provider that would offer exactly
+    /// those grants the lease in one round trip; one that offers other terms is answered
+    /// as any offer is, and one that predates proposals gets the request alone.
     async fn negotiate_with(
         &self,
-        peer: PeerId,
-        addrs: Vec<Multiaddr>,
+        (peer, addrs, advertised): (PeerId, Vec<Multiaddr>, Option<&ProviderAdvert>),
         spec: &LeaseSpec,
         max_price: Option<u64>,
         accepting: &(dyn Fn(PeerId) + Send + Sync),
     ) -> Result<Result<LeaseView, NotGranted>, NodeError> {
         let req = self.lease_request(spec, max_price);
-        let (terms, provider_sig) = match self.ask_offer(peer, addrs.clone(), &req).await? {
+        let foreseen = advertised.and_then(|a| propose::foreseen_terms(&req, peer, a, now_ms()));
+        let told = foreseen.is_some();
+        let offer = match foreseen {
+            Some(terms) => {
+                accepting(peer);
+                match self.propose(peer, addrs.clone(), &req, terms).await? {
+                    Proposed::Granted(view) => return Ok(view),
+                    Proposed::Offered(offer) => offer,
+                    Proposed::Unheard => self.ask_offer(peer, addrs.clone(), &req).await?,
+                }
+            }
+            None => self.ask_offer(peer, addrs.clone(), &req).await?,
+        };
+        let (terms, provider_sig) = match offer {
             Ok(offer) => offer,
             Err(not) => return Ok(Err(not)),
         };
@@ -314,19 +343,70 @@ impl Negotiator {
                 r.message
             ))));
         }
-        accepting(peer);
+        if !told {
+            accepting(peer);
+        }
         let requester_sig = match self.accept(peer, addrs, &terms, &provider_sig).await? {
             Ok(sig) => sig,
             Err(not) => return Ok(Err(not)),
         };
+        self.record(terms, provider_sig, requester_sig).await
+    }
+
+    /// Records a lease both parties signed (the provider's signature checked, ours made
+    /// here) and gives its view.
+    async fn record(
+        &self,
+        terms: LeaseTerms,
+        provider_sig: Vec<u8>,
+        requester_sig: Vec<u8>,
+    ) -> Result<Result<LeaseView, NotGranted>, NodeError> {
         let record = self
             .client
             .record_lease(terms, provider_sig, requester_sig)
             .await?;
-        // Both signatures were just checked (the provider's in check_offer, ours made here).
         Ok(record
             .map(|r| LeaseView::with_signatures(&r, (true, true)))
             .map_err(|e| NotGranted::Refused(e.to_string())))
+    }
+
+    /// Sends `req` with the `terms` we foresaw, countersigned: the lease when `peer`
+    /// granted them, its offer when it offers other terms, or that it did not
+    /// understand the proposal (a provider that predates them).
+    async fn propose(
+        &self,
+        peer: PeerId,
+        addrs: Vec<Multiaddr>,
+        req: &LeaseRequest,
+        terms: LeaseTerms,
+    ) -> Result<Proposed, NodeError> {
+        let requester_sig = match terms.sign(&self.keypair) {
+            Ok(s) => s,
+            Err(e) => return Ok(Proposed::Granted(Err(NotGranted::Refused(e.to_string())))),
+        };
+        let message = LeaseMessage::Propose {
+            request: req.clone(),
+            terms: terms.clone(),
+            requester_sig: requester_sig.clone(),
+        };
+        Ok(match self.send_lease(peer, addrs, message).await? {
+            Ok(LeaseReply::Granted {
+                lease_id,
+                provider_sig,
+            }) if lease_id == terms.lease_id => match terms.verify(&peer, &provider_sig) {
+                Ok(()) => Proposed::Granted(self.record(terms, provider_sig, requester_sig).await?),
+                Err(e) => Proposed::Granted(Err(NotGranted::Refused(format!(
+                    "grant refused: the provider's signature does not verify: {e}"
+                )))),
+            },
+            Ok(LeaseReply::Offer {
+                terms,
+                provider_sig,
+            }) => Proposed::Offered(Ok((terms, provider_sig))),
+            Ok(LeaseReply::Queued(place)) => Proposed::Offered(Err(NotGranted::Queued(place))),
+            Ok(LeaseReply::Rejected(r)) if r.code == RejectCode::Malformed => Proposed::Unheard,
+            other => Proposed::Offered(Err(NotGranted::from_answer(other))),
+        })
     }
 
     /// The request for `spec` at `max_price`, sent now and valid for [`REQUEST_TTL_MS`].
@@ -579,5 +659,158 @@ mod tests {
         // The kept answer first, without a search; then one search and its provider.
         assert_eq!(asked, vec![kept_provider, fresh_provider]);
         assert_eq!(searches, 1);
+    }
+
+    /// The lease messages a requester sent to a fake provider (with [`provider_key`])
+    /// whose answer to each is `answer`, with that provider's advert known and a
+    /// connection up (as for `--peer` with a provider in view), and how many leases the
+    /// requester recorded (in a real book).
+    async fn negotiate_against(
+        answer: impl Fn(&LeaseMessage) -> LeaseReply + Send + 'static,
+    ) -> (Result<LeaseView, LeaseError>, Vec<LeaseMessage>, usize) {
+        let (tx, mut rx) = mpsc::channel(8);
+        let key = Keypair::generate_ed25519();
+        let me = key.public().to_peer_id();
+        let negotiator = Negotiator::new(LoopClient::new(tx), key);
+        let mut spec = LeaseSpec::new(0, 60_000);
+        spec.peer = Some(provider_key().public().to_peer_id().to_string());
+        let fake_loop = tokio::spawn(async move {
+            let (mut sent, mut recorded) = (Vec::new(), 0);
+            let mut book = crate::lease::LeaseBook::new(
+                me,
+                crate::lease::LeasePolicy::default(),
+                crate::lease::Capacity::default(),
+            );
+            while let Some(command) = rx.recv().await {
+                match command {
+                    Command::Reach { reply, .. } => {
+                        let advert = ProviderAdvert {
+                            price: crate::lease::LeasePolicy::default()
+                                .price_per_gpu_hour_millicredits,
+                            gpus: Vec::new(),
+                        };
+                        let _ = reply.send((true, Some(advert)));
+                    }
+                    Command::SendLease { message, reply, .. } => {
+                        let _ = reply.send(Ok(answer(&message)));
+                        sent.push(*message);
+                    }
+                    Command::RecordLease {
+                        terms,
+                        provider_sig,
+                        requester_sig,
+                        reply,
+                    } => {
+                        recorded += 1;
+                        let id = terms.lease_id;
+                        let _ = reply.send(
+                            book.record_requester_lease(
+                                *terms,
+                                provider_sig,
+                                requester_sig,
+                                now_ms(),
+                            )
+                            .map(|()| book.get(&id).cloned().expect("recorded")),
+                        );
+                    }
+                    other => panic!("unexpected command {other:?}"),
+                }
+            }
+            (sent, recorded)
+        });
+        let result = negotiator.request_lease(spec).await;
+        drop(negotiator);
+        let (sent, recorded) = fake_loop.await.unwrap();
+        (result, sent, recorded)
+    }
+
+    /// The fake provider's key in the negotiations above.
+    fn provider_key() -> &'static Keypair {
+        static KEY: std::sync::OnceLock<Keypair> = std::sync::OnceLock::new();
+        KEY.get_or_init(Keypair::generate_ed25519)
+    }
+
+    /// A provider that grants the proposal: one message, and the lease recorded with
+    /// the proposed terms and the provider's signature.
+    #[tokio::test]
+    async fn a_granted_proposal_is_a_lease_after_one_message() {
+        let (result, sent, recorded) = negotiate_against(|m| match m {
+            LeaseMessage::Propose { terms, .. } => LeaseReply::Granted {
+                lease_id: terms.lease_id,
+                provider_sig: terms.sign(provider_key()).unwrap(),
+            },
+            other => panic!("unexpected {other:?}"),
+        })
+        .await;
+        let view = result.expect("granted");
+        let [LeaseMessage::Propose { terms, .. }] = &sent[..] else {
+            panic!("expected one proposal, sent {sent:?}");
+        };
+        assert_eq!(view.lease_id, terms.lease_id.to_string());
+        assert_eq!(recorded, 1);
+    }
+
+    /// A grant whose signature is not the provider's (over the proposed terms) is
+    /// refused and never recorded.
+    #[tokio::test]
+    async fn a_grant_signed_by_another_key_is_refused() {
+        let (result, sent, recorded) = negotiate_against(|m| match m {
+            LeaseMessage::Propose { terms, .. } => LeaseReply::Granted {
+                lease_id: terms.lease_id,
+                provider_sig: terms.sign(&Keypair::generate_ed25519()).unwrap(),
+            },
+            other => panic!("unexpected {other:?}"),
+        })
+        .await;
+        let err = result.expect_err("a forged grant");
+        assert!(err.to_string().contains("signature"), "{err}");
+        assert_eq!(sent.len(), 1);
+        assert_eq!(recorded, 0);
+    }
+
+    /// A provider that predates proposals refuses one as malformed: the requester
+    /// sends the same request alone (same nonce), accepts the offer and records it.
+    #[tokio::test]
+    async fn a_provider_that_cannot_read_proposals_gets_the_request_alone() {
+        let (result, sent, recorded) = negotiate_against(|m| match m {
+            LeaseMessage::Propose { .. } => LeaseReply::Rejected(Rejection::new(
+                RejectCode::Malformed,
+                "cannot decode: unknown variant",
+            )),
+            LeaseMessage::Request(req) => {
+                let mut book = crate::lease::LeaseBook::new(
+                    provider_key().public().to_peer_id(),
+                    crate::lease::LeasePolicy::default(),
+                    crate::lease::Capacity::default(),
+                );
+                let (terms, provider_sig) = book
+                    .on_request(
+                        &req.requester,
+                        req,
+                        LeaseId([4; 16]),
+                        provider_key(),
+                        now_ms(),
+                    )
+                    .expect("offer");
+                LeaseReply::Offer {
+                    terms,
+                    provider_sig,
+                }
+            }
+            LeaseMessage::Accept { terms, .. } => LeaseReply::Activated {
+                lease_id: terms.lease_id,
+            },
+            other => panic!("unexpected {other:?}"),
+        })
+        .await;
+        let view = result.expect("leased the old way");
+        assert_eq!(view.lease_id, LeaseId([4; 16]).to_string());
+        let [LeaseMessage::Propose { request, .. }, LeaseMessage::Request(again), LeaseMessage::Accept { .. }] =
+            &sent[..]
+        else {
+            panic!("expected a proposal, the request, an acceptance; sent {sent:?}");
+        };
+        assert_eq!(request, again, "the same request, nonce and all");
+        assert_eq!(recorded, 1);
     }
 }

@@ -1,0 +1,262 @@
+//! Foreseeing a provider's offer, so the request can carry the terms already signed and
+//! the lease is had in one round trip ([`LeaseMessage::Propose`]): the terms the
+//! provider would offer follow from the request and its newest advert (its price and
+//! its idle GPUs). When the advert is out of date, the provider offers what it has and
+//! the negotiation takes its usual second round trip.
+//!
+//! [`LeaseMessage::Propose`]: gpunode_protocol::lease::LeaseMessage::Propose
+
+use gpunode_protocol::advert::{AdvertGpu, OfferFilter};
+use gpunode_protocol::gpu::GpuState;
+use gpunode_protocol::lease::{
+    LeaseId, LeaseRequest, LeaseTerms, LeasedGpu, LEASE_VERSION, PROPOSAL_START_LEAD_MS,
+};
+use gpunode_protocol::time::UnixMillis;
+use gpunode_protocol::PeerId;
+
+/// What a provider's newest verified advert says that a lease's terms depend on.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ProviderAdvert {
+    /// Price per GPU-hour, millicredits.
+    pub price: u64,
+    /// Its GPUs as they stood when it was signed.
+    pub gpus: Vec<AdvertGpu>,
+}
+
+/// The terms `provider` would offer for `req` now, if they can be foreseen from its
+/// `advert`: not for a reservation (it starts when asked, and is held meanwhile), not
+/// above the request's price limit, and only with as many idle GPUs in the advert that
+/// match the request, clear of reservations, as were asked for (picked as the provider
+/// picks: smallest sufficient first). The lease starts [`PROPOSAL_START_LEAD_MS`]
+/// before `now` (see the constant) under a fresh random id.
+pub(super) fn foreseen_terms(
+    req: &LeaseRequest,
+    provider: PeerId,
+    advert: &ProviderAdvert,
+    now: UnixMillis,
+) -> Option<LeaseTerms> {
+    if req.start_at_ms.is_some_and(|at| at > now) {
+        return None;
+    }
+    if req
+        .max_price_per_gpu_hour_millicredits
+        .is_some_and(|max| advert.price > max)
+    {
+        return None;
+    }
+    let start = now.saturating_sub(PROPOSAL_START_LEAD_MS);
+    let end = start.saturating_add(req.duration_ms);
+    let filter = OfferFilter::for_gpus_of(&req.requirements);
+    let mut idle: Vec<&AdvertGpu> = advert
+        .gpus
+        .iter()
+        .filter(|g| g.state == GpuState::Idle && filter.gpu_matches(&g.model, g.memory_bytes))
+        .filter(|g| {
+            g.reserved
+                .iter()
+                .all(|(from, to)| *to <= start || *from >= end)
+        })
+        .collect();
+    let wanted = req.requirements.gpus as usize;
+    if idle.len() < wanted {
+        return None;
+    }
+    idle.sort_by_key(|g| (g.memory_bytes, g.index));
+    Some(LeaseTerms {
+        version: LEASE_VERSION,
+        lease_id: LeaseId(rand::random()),
+        provider,
+        requester: req.requester,
+        gpus: idle
+            .into_iter()
+            .take(wanted)
+            .map(|g| LeasedGpu {
+                index: g.index,
+                uuid: g.uuid.clone(),
+                model: g.model.clone(),
+                memory_bytes: g.memory_bytes,
+            })
+            .collect(),
+        cpus: req.requirements.cpus,
+        mem_bytes: req.requirements.mem_bytes,
+        backend: req.requirements.backend.clone(),
+        start_ms: start,
+        end_ms: end,
+        price_per_gpu_hour_millicredits: advert.price,
+        request_nonce: req.nonce,
+        offer_expires_ms: req.expires_at_ms,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lease::book::{proposal_fits, LeaseBook};
+    use crate::lease::policy::{Capacity, GpuSlot, LeasePolicy};
+    use gpunode_protocol::lease::Requirements;
+    use gpunode_protocol::Keypair;
+
+    const NOW: UnixMillis = 1_800_000_000_000;
+
+    fn gpu(index: u32, model: &str, gib: u64, state: GpuState) -> AdvertGpu {
+        AdvertGpu {
+            index,
+            uuid: format!("GPU-{index}"),
+            model: model.into(),
+            memory_bytes: gib << 30,
+            state,
+            mig_enabled: false,
+            compute_capability: None,
+            reserved: Vec::new(),
+        }
+    }
+
+    fn request(requester: &Keypair, gpus: u32, model: Option<&str>) -> LeaseRequest {
+        LeaseRequest {
+            version: LEASE_VERSION,
+            requester: requester.public().to_peer_id(),
+            requester_key: requester.public().encode_protobuf(),
+            nonce: 11,
+            requirements: Requirements {
+                gpus,
+                gpu_model: model.map(str::to_string),
+                gpu_slice: None,
+                min_gpu_mem_bytes: None,
+                cpus: 2,
+                mem_bytes: 1 << 30,
+                backend: "wasm".into(),
+                kind: Default::default(),
+            },
+            duration_ms: 600_000,
+            max_price_per_gpu_hour_millicredits: Some(2_000),
+            sent_at_ms: NOW,
+            expires_at_ms: NOW + 30_000,
+            ticket: None,
+            start_at_ms: None,
+        }
+    }
+
+    /// The provider's book with these GPUs (index, model, GiB, lendable).
+    fn provider_book(key: &Keypair, price: u64, gpus: &[(u32, &str, u64, bool)]) -> LeaseBook {
+        LeaseBook::new(
+            key.public().to_peer_id(),
+            LeasePolicy {
+                price_per_gpu_hour_millicredits: price,
+                ..LeasePolicy::default()
+            },
+            Capacity {
+                gpus: gpus
+                    .iter()
+                    .map(|(i, model, gib, available)| GpuSlot {
+                        index: *i,
+                        uuid: format!("GPU-{i}"),
+                        model: model.to_string(),
+                        memory_bytes: gib << 30,
+                        available: *available,
+                    })
+                    .collect(),
+                cpus: 8,
+                mem_bytes: 32 << 30,
+            },
+        )
+    }
+
+    /// What the provider's book itself would offer for `req`, under `id`.
+    fn offered(book: &mut LeaseBook, key: &Keypair, req: &LeaseRequest, id: LeaseId) -> LeaseTerms {
+        book.on_request(&req.requester, req, id, key, NOW)
+            .unwrap()
+            .0
+    }
+
+    /// Foreseen from an up-to-date advert, the terms are exactly those the provider's
+    /// own book offers (so it grants them at once), with GPUs and without.
+    #[test]
+    fn terms_foreseen_from_a_current_advert_are_the_ones_the_provider_offers() {
+        let (provider, requester) = (Keypair::generate_ed25519(), Keypair::generate_ed25519());
+        let advert = ProviderAdvert {
+            price: 1_500,
+            gpus: vec![
+                gpu(0, "A100-80GB", 80, GpuState::Idle),
+                gpu(1, "A100-40GB", 40, GpuState::Idle),
+                gpu(2, "T4-16GB", 16, GpuState::Idle),
+            ],
+        };
+        for (gpus, model) in [(0, None), (1, Some("A100")), (2, None)] {
+            let mut book = provider_book(
+                &provider,
+                1_500,
+                &[
+                    (0, "A100-80GB", 80, true),
+                    (1, "A100-40GB", 40, true),
+                    (2, "T4-16GB", 16, true),
+                ],
+            );
+            let req = request(&requester, gpus, model);
+            let proposed =
+                foreseen_terms(&req, provider.public().to_peer_id(), &advert, NOW).unwrap();
+            assert_eq!(proposed.gpus.len(), gpus as usize);
+            let terms = offered(&mut book, &provider, &req, proposed.lease_id);
+            assert!(
+                proposal_fits(&terms, &proposed, NOW),
+                "{terms:?}\n{proposed:?}"
+            );
+        }
+    }
+
+    /// Nothing is proposed where the provider's terms cannot be foreseen: a
+    /// reservation, a price above the request's limit, too few idle matching GPUs (the
+    /// advert's leased or reserved ones do not count).
+    #[test]
+    fn nothing_is_proposed_where_the_terms_cannot_be_foreseen() {
+        let (provider, requester) = (Keypair::generate_ed25519(), Keypair::generate_ed25519());
+        let pid = provider.public().to_peer_id();
+        let mut reserved = gpu(1, "A100-40GB", 40, GpuState::Idle);
+        reserved.reserved = vec![(NOW + 60_000, NOW + 120_000)];
+        let advert = ProviderAdvert {
+            price: 1_500,
+            gpus: vec![gpu(0, "A100-80GB", 80, GpuState::Leased), reserved],
+        };
+        assert!(foreseen_terms(&request(&requester, 1, Some("A100")), pid, &advert, NOW).is_none());
+        assert!(foreseen_terms(&request(&requester, 1, Some("T4")), pid, &advert, NOW).is_none());
+        let mut later = request(&requester, 0, None);
+        later.start_at_ms = Some(NOW + 3_600_000);
+        assert!(foreseen_terms(&later, pid, &advert, NOW).is_none());
+        let mut cheap = request(&requester, 0, None);
+        cheap.max_price_per_gpu_hour_millicredits = Some(1_000);
+        assert!(foreseen_terms(&cheap, pid, &advert, NOW).is_none());
+        assert!(foreseen_terms(&request(&requester, 0, None), pid, &advert, NOW).is_some());
+    }
+
+    /// An advert out of date (its idle GPU since taken by the owner, or a new price)
+    /// foresees terms the provider does not offer: the proposal does not fit, and the
+    /// provider's offer is what the requester then judges.
+    #[test]
+    fn terms_foreseen_from_an_old_advert_do_not_fit() {
+        let (provider, requester) = (Keypair::generate_ed25519(), Keypair::generate_ed25519());
+        let pid = provider.public().to_peer_id();
+        let advert = ProviderAdvert {
+            price: 1_500,
+            gpus: vec![
+                gpu(0, "A100-80GB", 80, GpuState::Idle),
+                gpu(1, "A100-40GB", 40, GpuState::Idle),
+            ],
+        };
+        let req = request(&requester, 1, Some("A100"));
+        let proposed = foreseen_terms(&req, pid, &advert, NOW).unwrap();
+        assert_eq!(proposed.gpus[0].index, 1, "smallest sufficient first");
+        let mut taken = provider_book(
+            &provider,
+            1_500,
+            &[(0, "A100-80GB", 80, true), (1, "A100-40GB", 40, false)],
+        );
+        let terms = offered(&mut taken, &provider, &req, proposed.lease_id);
+        assert!(!proposal_fits(&terms, &proposed, NOW));
+        let mut dearer = provider_book(
+            &provider,
+            1_800,
+            &[(0, "A100-80GB", 80, true), (1, "A100-40GB", 40, true)],
+        );
+        let terms = offered(&mut dearer, &provider, &req, proposed.lease_id);
+        assert!(!proposal_fits(&terms, &proposed, NOW));
+    }
+}
