@@ -44,7 +44,35 @@ pub const PROPOSAL_START_SLACK_MS: u64 = 5_000;
 /// still finds the start passed. The requester pays for it: 25 ms of lease time.
 pub const PROPOSAL_START_LEAD_MS: u64 = 25;
 
-/// A lease's identifier: 16 random bytes, shown as 32 hex digits.
+/// Domain tag of a proposed lease's id ([`proposal_lease_id`]).
+const PROPOSAL_ID_TAG: &[u8] = b"gpunode/lease-proposal-id/v1\0";
+
+/// The id of a lease proposed with its request ([`LeaseMessage::Propose`]): derived from
+/// the provider, the requester, the request's nonce and the proposed start, so that a
+/// requester cannot choose it. A provider forgets ended leases after their retention
+/// but its ledger never forgets their receipts: an id a requester could pick freely
+/// might be one already settled, and the new lease could then never be billed. A
+/// repeat needs the same nonce and start, and a provider refuses a nonce it has seen
+/// for longer than it accepts a proposed start (see [`PROPOSAL_START_SLACK_MS`]).
+pub fn proposal_lease_id(
+    provider: &PeerId,
+    requester: &PeerId,
+    nonce: u64,
+    start_ms: UnixMillis,
+) -> LeaseId {
+    let mut h = blake3::Hasher::new();
+    h.update(PROPOSAL_ID_TAG);
+    h.update(&provider.to_bytes());
+    h.update(&requester.to_bytes());
+    h.update(&nonce.to_le_bytes());
+    h.update(&start_ms.to_le_bytes());
+    let mut id = [0u8; 16];
+    id.copy_from_slice(&h.finalize().as_bytes()[..16]);
+    LeaseId(id)
+}
+
+/// A lease's identifier: 16 random bytes (or, for a proposed lease, derived: see
+/// [`proposal_lease_id`]), shown as 32 hex digits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct LeaseId(pub [u8; 16]);
 
@@ -475,5 +503,26 @@ fn decode_rejection(e: DecodeError) -> Rejection {
     match e {
         DecodeError::TooLarge { .. } => Rejection::new(RejectCode::Oversized, e.to_string()),
         _ => Rejection::new(RejectCode::Malformed, e.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A proposed lease's id is the same for the same proposal, on both sides, and
+    /// differs when any of what it is derived from differs.
+    #[test]
+    fn a_proposed_id_follows_from_the_proposal_alone() {
+        let (p, r) = (PeerId::random(), PeerId::random());
+        let id = proposal_lease_id(&p, &r, 7, 1_000);
+        assert_eq!(id, proposal_lease_id(&p, &r, 7, 1_000));
+        let others = [
+            proposal_lease_id(&r, &p, 7, 1_000),
+            proposal_lease_id(&p, &PeerId::random(), 7, 1_000),
+            proposal_lease_id(&p, &r, 8, 1_000),
+            proposal_lease_id(&p, &r, 7, 1_001),
+        ];
+        assert!(others.iter().all(|o| *o != id));
     }
 }

@@ -317,7 +317,7 @@ async fn a_lease_for_one_job_ends_with_it_on_new_and_old_providers() {
     for (i, ends_itself) in [(0, true), (1, false)] {
         let provider = &net.provider(i).handle;
         let messages_before = provider.metrics().lease_messages.get();
-        let offered_before = provider.metrics().lease_proposal_count("offered");
+        let granted_before = provider.metrics().lease_proposal_count("granted");
         let dir = tempfile::tempdir().unwrap();
         let req = request(task("spin.wat"), dir.path()).peer(net.provider_id(i));
         let (_, end) = run_to_end(&client.handle, req, LONG).await.unwrap();
@@ -357,13 +357,13 @@ async fn a_lease_for_one_job_ends_with_it_on_new_and_old_providers() {
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        // The proposal (and an accept, were the client's view of the provider's advert
-        // out of date so that the provider offered other terms); and a cancellation
-        // only where the provider does not end the lease itself.
+        // The proposal, granted at once (the client holds the provider's advert and a
+        // lease without GPUs is foreseen exactly); and a cancellation only where the
+        // provider does not end the lease itself.
         let messages = provider.metrics().lease_messages.get() - messages_before;
-        let offered = provider.metrics().lease_proposal_count("offered") - offered_before;
-        let cancel = u64::from(!ends_itself);
-        assert_eq!(messages, 1 + offered + cancel, "provider {i}");
+        let granted = provider.metrics().lease_proposal_count("granted") - granted_before;
+        assert_eq!(granted, 1, "provider {i}");
+        assert_eq!(messages, if ends_itself { 1 } else { 2 }, "provider {i}");
     }
 
     // Someone else's lease named on the protocol that ends leases: refused, and the

@@ -539,14 +539,8 @@ fn fair_share_restored_from_the_store_orders_the_queue() {
 
 impl Peer {
     /// A request for `gpus` GPUs with the terms `desk` would offer for it (its GPUs from
-    /// index 0 on, its price, a start a second before `now`) under `id`, signed.
-    fn propose(
-        &mut self,
-        desk: &LeaseDesk,
-        gpus: u32,
-        id: LeaseId,
-        now: UnixMillis,
-    ) -> InboundLease {
+    /// index 0 on, its price, a start a second before `now`, the derived id), signed.
+    fn propose(&mut self, desk: &LeaseDesk, gpus: u32, now: UnixMillis) -> InboundLease {
         let InboundLease::Message(LeaseMessage::Request(request)) = self.request(gpus, None, now)
         else {
             unreachable!("a request")
@@ -554,7 +548,7 @@ impl Peer {
         let start = now - 1_000;
         let terms = LeaseTerms {
             version: LEASE_VERSION,
-            lease_id: id,
+            lease_id: proposal_lease_id(&desk.local, &self.id(), request.nonce, start),
             provider: desk.local,
             requester: self.id(),
             gpus: (0..gpus)
@@ -574,34 +568,59 @@ impl Peer {
             request_nonce: request.nonce,
             offer_expires_ms: request.expires_at_ms,
         };
+        self.signed_proposal(request, terms)
+    }
+
+    /// `request` with `terms`, signed by this peer.
+    fn signed_proposal(&self, request: LeaseRequest, terms: LeaseTerms) -> InboundLease {
         InboundLease::Message(LeaseMessage::Propose {
             requester_sig: terms.sign(&self.key).expect("sign"),
             request,
             terms,
         })
     }
+
+    /// Its signed cancellation of `lease_id`.
+    fn cancel(&self, lease_id: LeaseId, now: UnixMillis) -> InboundLease {
+        let cancellation = Cancellation {
+            lease_id,
+            by: self.id(),
+            at_ms: now,
+        };
+        InboundLease::Message(LeaseMessage::Cancel {
+            signature: cancellation.sign(&self.key).expect("sign"),
+            cancellation,
+        })
+    }
+}
+
+/// The request and terms inside a proposal.
+fn parts(message: InboundLease) -> (LeaseRequest, LeaseTerms) {
+    match message {
+        InboundLease::Message(LeaseMessage::Propose { request, terms, .. }) => (request, terms),
+        other => panic!("not a proposal: {other:?}"),
+    }
 }
 
 /// A proposal of the terms the provider would offer is the lease at once: granted with
 /// the provider's signature over the proposed terms, active, stored with both
-/// signatures, its GPUs held and its quota counted, and its reply waits for a flush
-/// (it binds).
+/// signatures, its GPUs held and its quota counted. The same proposal again (its
+/// answer lost) gets the same grant and changes nothing.
 #[test]
 fn a_proposal_of_the_offered_terms_is_granted_in_one_round_trip() {
     let mut desk = desk(2);
     let mut peer = Peer::new();
     let t = Table::default();
-    let id = LeaseId([9; 16]);
-    let (reply, effects) = desk.on_message(&peer.id(), peer.propose(&desk, 1, id, NOW), &t, NOW);
+    let proposal = peer.propose(&desk, 1, NOW);
+    let (reply, effects) = desk.on_message(&peer.id(), proposal.clone(), &t, NOW);
     let LeaseReply::Granted {
         lease_id,
         provider_sig,
-    } = reply
+    } = reply.clone()
     else {
         panic!("expected a grant, got {reply:?}");
     };
-    assert_eq!(lease_id, id);
-    let record = desk.book().get(&id).expect("stored").clone();
+    let record = desk.book().get(&lease_id).expect("stored").clone();
     assert_eq!(record.state, LeaseState::Active);
     assert_eq!(
         record.terms.start_ms,
@@ -621,15 +640,24 @@ fn a_proposal_of_the_offered_terms_is_granted_in_one_round_trip() {
         .expect("the requester's signature is kept");
     assert_eq!(effects.quota, vec![(peer.id(), NOW, 1, HOUR)]);
     assert!(effects.republish, "its GPU is now lent");
-    assert!(effects.writes.contains(&Change::Lease(id)));
-    // A proposal of the GPU just lent does not fit: the provider offers the free one
+    assert!(effects.writes.contains(&Change::Lease(lease_id)));
+
+    let (again, effects) = desk.on_message(&peer.id(), proposal.clone(), &t, NOW + 50);
+    assert_eq!(again, reply, "a repeated proposal gets the same grant");
+    assert_eq!(effects, Effects::default(), "and changes nothing");
+    // Someone else sending it is not granted it (nor can it be: the nonce is spent).
+    let mallory = Peer::new();
+    let (reply, _) = desk.on_message(&mallory.id(), proposal.clone(), &t, NOW + 50);
+    assert_eq!(rejected(&reply), RejectCode::WrongKey);
+    // Once the lease has ended, the same proposal is a replay.
+    desk.on_message(&peer.id(), peer.cancel(lease_id, NOW + 60), &t, NOW + 60);
+    let (reply, _) = desk.on_message(&peer.id(), proposal, &t, NOW + 70);
+    assert_eq!(rejected(&reply), RejectCode::Replay);
+
+    // A proposal of a GPU lent meanwhile does not fit: the provider offers the free one
     // instead, held as any offer, and the requester judges that offer as usual.
-    let (reply, _) = desk.on_message(
-        &peer.id(),
-        peer.propose(&desk, 1, LeaseId([10; 16]), NOW),
-        &t,
-        NOW,
-    );
+    desk.on_message(&peer.id(), peer.propose(&desk, 1, NOW), &t, NOW);
+    let (reply, _) = desk.on_message(&peer.id(), peer.propose(&desk, 1, NOW), &t, NOW);
     let LeaseReply::Offer { terms, .. } = &reply else {
         panic!("expected an offer of the other GPU, got {reply:?}");
     };
@@ -642,119 +670,145 @@ fn a_proposal_of_the_offered_terms_is_granted_in_one_round_trip() {
     assert!(matches!(reply, LeaseReply::Activated { .. }), "{reply:?}");
 }
 
-/// What an attacker might put in a proposal: terms signed by someone else, the id of a
-/// lease the provider already holds, a start the provider has not reached or long
-/// past, a price below the provider's. None becomes a lease as proposed: a bad
-/// signature is refused and holds nothing; the rest get the provider's own offer, under
-/// a fresh id where the proposed one is taken, and the lease already there is
-/// untouched.
+/// On GPUs of several models and sizes, the terms a requester foresees from the
+/// provider's advert are the ones its desk (queue and book) offers, so they are granted
+/// at once: whole GPUs of a model, several of any, none.
+#[test]
+fn terms_foreseen_from_a_current_advert_are_granted_on_mixed_gpus() {
+    let cases: [(u32, Option<&str>); 5] = [
+        (0, None),
+        (1, Some("A100")),
+        (1, Some("T4")),
+        (2, None),
+        (3, None),
+    ];
+    for (gpus, model) in cases {
+        let mut desk = desk(3);
+        let models = [("A100-80GB", 80), ("A100-40GB", 40), ("T4-16GB", 16)];
+        let mut capacity = desk.book.capacity().clone();
+        for (slot, (model, gib)) in capacity.gpus.iter_mut().zip(models) {
+            slot.model = model.into();
+            slot.memory_bytes = gib << 30;
+        }
+        desk.book.set_capacity(capacity.clone());
+        let advert = crate::lease::negotiate::ProviderAdvert {
+            price: desk.book.policy().price_per_gpu_hour_millicredits,
+            gpus: capacity
+                .gpus
+                .iter()
+                .map(|g| idle_gpu(g.index, &g.model, g.memory_bytes))
+                .collect(),
+        };
+        let mut peer = Peer::new();
+        let InboundLease::Message(LeaseMessage::Request(mut request)) =
+            peer.request(gpus, None, NOW)
+        else {
+            unreachable!()
+        };
+        request.requirements.gpu_model = model.map(str::to_string);
+        let terms = crate::lease::negotiate::foreseen_terms(&request, desk.local, &advert, NOW)
+            .expect("foreseeable");
+        let message = peer.signed_proposal(request, terms);
+        let (reply, _) = desk.on_message(&peer.id(), message, &Table::default(), NOW);
+        assert!(
+            matches!(reply, LeaseReply::Granted { .. }),
+            "{gpus} GPU(s) of {model:?}: {reply:?}"
+        );
+    }
+}
+
+/// An idle GPU as an advert lists it.
+fn idle_gpu(index: u32, model: &str, memory_bytes: u64) -> gpunode_protocol::advert::AdvertGpu {
+    gpunode_protocol::advert::AdvertGpu {
+        index,
+        uuid: format!("GPU-{index}"),
+        model: model.into(),
+        memory_bytes,
+        state: gpunode_protocol::gpu::GpuState::Idle,
+        mig_enabled: false,
+        compute_capability: None,
+        reserved: Vec::new(),
+    }
+}
+
+/// What an attacker might put in a proposal: terms signed by someone else, an id of
+/// its own choosing (that of a lease the provider holds, or any), a start the provider
+/// has not reached or long past, a price below the provider's, a longer lease; and a
+/// proposal to a provider whose test-network cheat gives every lease one id. None
+/// becomes a lease as proposed: a bad signature is refused and holds nothing; the rest
+/// get the provider's own offer, and a lease already there is untouched.
 #[test]
 fn a_proposal_that_is_not_the_offered_terms_never_becomes_a_lease_as_proposed() {
     let mut desk = desk(1);
     let mut peer = Peer::new();
     let mallory = Peer::new();
     let t = Table::default();
-    let InboundLease::Message(LeaseMessage::Propose {
-        request,
-        terms,
-        requester_sig: _,
-    }) = peer.propose(&desk, 1, LeaseId([1; 16]), NOW)
-    else {
-        unreachable!()
-    };
+    let (request, terms) = parts(peer.propose(&desk, 1, NOW));
     let forged = InboundLease::Message(LeaseMessage::Propose {
         requester_sig: terms.sign(&mallory.key).unwrap(),
         request,
-        terms,
+        terms: terms.clone(),
     });
     let (reply, effects) = desk.on_message(&peer.id(), forged, &t, NOW);
     assert_eq!(rejected(&reply), RejectCode::BadSignature);
-    assert!(desk.book().get(&LeaseId([1; 16])).is_none());
+    assert!(desk.book().get(&terms.lease_id).is_none());
     assert!(!effects.republish, "nothing is held");
 
-    let other = LeaseId([2; 16]);
-    let (reply, _) = desk.on_message(&peer.id(), peer.propose(&desk, 0, other, NOW), &t, NOW);
-    assert!(matches!(reply, LeaseReply::Granted { .. }), "{reply:?}");
-    let before = desk.book().get(&other).unwrap().clone();
-    let (reply, _) = desk.on_message(&peer.id(), peer.propose(&desk, 1, other, NOW), &t, NOW);
-    let LeaseReply::Offer { terms, .. } = &reply else {
-        panic!("expected an offer under a fresh id, got {reply:?}");
+    let (reply, _) = desk.on_message(&peer.id(), peer.propose(&desk, 0, NOW), &t, NOW);
+    let LeaseReply::Granted { lease_id: held, .. } = reply else {
+        panic!("expected a grant, got {reply:?}");
     };
-    assert_ne!(terms.lease_id, other);
-    assert_eq!(
-        desk.book().get(&other),
-        Some(&before),
-        "the lease there is untouched"
-    );
-    let (reply, _) = desk.on_message(
-        &peer.id(),
-        InboundLease::Message(LeaseMessage::Cancel {
-            cancellation: Cancellation {
-                lease_id: terms.lease_id,
-                by: peer.id(),
-                at_ms: NOW,
-            },
-            signature: Cancellation {
-                lease_id: terms.lease_id,
-                by: peer.id(),
-                at_ms: NOW,
-            }
-            .sign(&peer.key)
-            .unwrap(),
-        }),
-        &t,
-        NOW,
-    );
-    assert!(matches!(reply, LeaseReply::Cancelled { .. }), "{reply:?}");
+    let before = desk.book().get(&held).unwrap().clone();
 
-    type Alter = fn(&mut LeaseTerms);
-    let altered: [(&str, Alter); 4] = [
-        ("a start the provider has not reached", |t| {
+    type Alter = fn(&mut LeaseTerms, LeaseId);
+    let altered: [(&str, Alter); 6] = [
+        ("the id of a lease held here", |t, held| t.lease_id = held),
+        ("an id of its choosing", |t, _| {
+            t.lease_id = LeaseId([7; 16])
+        }),
+        ("a start the provider has not reached", |t, _| {
             t.start_ms = NOW + 10;
             t.end_ms = NOW + 10 + HOUR;
         }),
-        ("a start long past", |t| {
+        ("a start long past", |t, _| {
             t.start_ms = NOW - 6_000;
             t.end_ms = NOW - 6_000 + HOUR;
         }),
-        ("a lower price", |t| t.price_per_gpu_hour_millicredits /= 2),
-        ("a longer lease", |t| t.end_ms += 1),
+        ("a lower price", |t, _| {
+            t.price_per_gpu_hour_millicredits /= 2
+        }),
+        ("a longer lease", |t, _| t.end_ms += 1),
     ];
-    for (n, (what, alter)) in altered.into_iter().enumerate() {
-        let id = LeaseId([20 + n as u8; 16]);
-        let InboundLease::Message(LeaseMessage::Propose {
-            request, mut terms, ..
-        }) = peer.propose(&desk, 1, id, NOW)
-        else {
-            unreachable!()
-        };
-        alter(&mut terms);
-        let message = InboundLease::Message(LeaseMessage::Propose {
-            requester_sig: terms.sign(&peer.key).unwrap(),
-            request,
-            terms: terms.clone(),
-        });
-        let (reply, _) = desk.on_message(&peer.id(), message, &t, NOW);
+    for (what, alter) in altered {
+        let (request, mut terms) = parts(peer.propose(&desk, 1, NOW));
+        alter(&mut terms, held);
+        let (reply, _) = desk.on_message(
+            &peer.id(),
+            peer.signed_proposal(request, terms.clone()),
+            &t,
+            NOW,
+        );
         let LeaseReply::Offer { terms: offered, .. } = &reply else {
             panic!("{what}: expected the provider's own offer, got {reply:?}");
         };
         assert_ne!(offered, &terms, "{what}");
+        assert_ne!(offered.lease_id, held, "{what}");
         assert_eq!(offered.start_ms, NOW, "{what}");
         assert_eq!(
-            desk.book().get(&id).unwrap().state,
-            LeaseState::Offered,
-            "{what}"
+            desk.book().get(&held),
+            Some(&before),
+            "{what}: the lease there is untouched"
         );
         // Released, so the next case finds the GPU free.
-        let cancellation = Cancellation {
-            lease_id: id,
-            by: peer.id(),
-            at_ms: NOW,
-        };
-        let message = InboundLease::Message(LeaseMessage::Cancel {
-            signature: cancellation.sign(&peer.key).unwrap(),
-            cancellation,
-        });
-        desk.on_message(&peer.id(), message, &t, NOW);
+        let (reply, _) = desk.on_message(&peer.id(), peer.cancel(offered.lease_id, NOW), &t, NOW);
+        assert!(
+            matches!(reply, LeaseReply::Cancelled { .. }),
+            "{what}: {reply:?}"
+        );
     }
+
+    // A test network's cheat gives every lease one id: a proposal never fits there.
+    desk.fixed_lease_id = Some([3; 16]);
+    let (reply, _) = desk.on_message(&peer.id(), peer.propose(&desk, 1, NOW), &t, NOW);
+    assert!(matches!(reply, LeaseReply::Offer { .. }), "{reply:?}");
 }

@@ -21,8 +21,8 @@ mod queue;
 mod desk_tests;
 
 use gpunode_protocol::lease::{
-    Cancellation, LeaseId, LeaseMessage, LeaseReply, LeaseRequest, LeaseTerms, RejectCode,
-    Rejection, Renewal,
+    proposal_lease_id, Cancellation, LeaseId, LeaseMessage, LeaseReply, LeaseRequest, LeaseTerms,
+    RejectCode, Rejection, Renewal,
 };
 use gpunode_protocol::team::JobKind;
 use gpunode_protocol::time::UnixMillis;
@@ -239,6 +239,9 @@ impl LeaseDesk {
                 terms,
                 requester_sig,
             } => {
+                if let Some(granted) = self.granted_before(peer, &terms, &requester_sig) {
+                    return Ok(granted);
+                }
                 let proposal = Some((&terms, requester_sig.as_slice()));
                 Ok(self.on_request(peer, &request, proposal, standings, effects, now))
             }
@@ -269,6 +272,29 @@ impl LeaseDesk {
                 })
             }
         }
+    }
+
+    /// The grant of a proposal this desk already granted (the same terms with the same
+    /// signature, from the same peer, still holding its resources), sent again: a
+    /// requester whose first answer was lost asks again with the same message, which
+    /// would otherwise be refused as a replay while the lease stays held here, unknown
+    /// to the requester. Nothing changes.
+    fn granted_before(
+        &self,
+        peer: &PeerId,
+        terms: &LeaseTerms,
+        requester_sig: &[u8],
+    ) -> Option<LeaseReply> {
+        let l = self.book.get(&terms.lease_id)?;
+        let same = l.role == LeaseRole::Provider
+            && l.terms.requester == *peer
+            && l.terms == *terms
+            && l.requester_sig.as_deref() == Some(requester_sig)
+            && l.state.holds_resources();
+        same.then(|| LeaseReply::Granted {
+            lease_id: terms.lease_id,
+            provider_sig: l.provider_sig.clone(),
+        })
     }
 
     /// A new lease request (with the terms its requester proposes, if any): the checks
@@ -321,10 +347,9 @@ impl LeaseDesk {
         self.book.check_request(peer, req, now)
     }
 
-    /// The book offers terms on the GPUs the queue chose; with a proposal, on the GPUs
-    /// it names when the queue chose none, under the id it names when that id is new
-    /// here, and the proposed terms become the lease at once when they are the ones the
-    /// book would offer.
+    /// The book offers terms on the GPUs the queue chose; with a proposal, under the
+    /// proposal's id when that is new here, and the proposed terms become the lease at
+    /// once when they are the ones the book would offer.
     fn grant(
         &mut self,
         peer: &PeerId,
@@ -334,21 +359,15 @@ impl LeaseDesk {
         effects: &mut Effects,
         now: UnixMillis,
     ) -> LeaseReply {
-        // A proposed id is taken only when nothing here has it (a lease of any role):
-        // a requester must never overwrite another record.
-        let proposed_id = proposal
-            .map(|(terms, _)| terms.lease_id)
-            .filter(|id| self.fixed_lease_id.is_none() && self.book.get(id).is_none());
-        let id = proposed_id
+        // A proposed lease's id is derived from the proposal (so a requester cannot
+        // pick one that a record or the ledger here already has); it is taken only
+        // when nothing here has it (any role): a requester must never overwrite
+        // another record. A proposal offered under another id does not fit.
+        let derived = proposal
+            .map(|(terms, _)| proposal_lease_id(&self.local, peer, req.nonce, terms.start_ms));
+        let id = derived
+            .filter(|id| self.fixed_lease_id.is_none() && self.book.get(id).is_none())
             .unwrap_or_else(|| LeaseId(self.fixed_lease_id.unwrap_or_else(rand::random)));
-        let proposed_gpus: Vec<u32>;
-        let prefer = match proposal {
-            Some((terms, _)) if prefer.is_empty() => {
-                proposed_gpus = terms.gpus.iter().map(|g| g.index).collect();
-                &proposed_gpus[..]
-            }
-            _ => prefer,
-        };
         let answer = match proposal {
             Some(proposal) => {
                 self.book

@@ -28,6 +28,8 @@ use crate::NodeError;
 use candidates::{describe, Candidate};
 
 pub use offers::{check_offer, describe_place, rank, REPUTATION_FLOOR};
+#[cfg(test)]
+pub(crate) use propose::foreseen_terms;
 pub use propose::ProviderAdvert;
 
 /// Why one provider did not grant a lease.
@@ -321,7 +323,6 @@ impl Negotiator {
     ) -> Result<Result<LeaseView, NotGranted>, NodeError> {
         let req = self.lease_request(spec, max_price);
         let foreseen = advertised.and_then(|a| propose::foreseen_terms(&req, peer, a, now_ms()));
-        let told = foreseen.is_some();
         let offer = match foreseen {
             Some(terms) => {
                 accepting(peer);
@@ -343,9 +344,9 @@ impl Negotiator {
                 r.message
             ))));
         }
-        if !told {
-            accepting(peer);
-        }
+        // Again when it was told as the proposal went out: the connection may have
+        // opened only for that proposal (an earlier opening is replaced).
+        accepting(peer);
         let requester_sig = match self.accept(peer, addrs, &terms, &provider_sig).await? {
             Ok(sig) => sig,
             Err(not) => return Ok(Err(not)),

@@ -9,7 +9,7 @@
 use gpunode_protocol::advert::{AdvertGpu, OfferFilter};
 use gpunode_protocol::gpu::GpuState;
 use gpunode_protocol::lease::{
-    LeaseId, LeaseRequest, LeaseTerms, LeasedGpu, LEASE_VERSION, PROPOSAL_START_LEAD_MS,
+    proposal_lease_id, LeaseRequest, LeaseTerms, LeasedGpu, LEASE_VERSION, PROPOSAL_START_LEAD_MS,
 };
 use gpunode_protocol::time::UnixMillis;
 use gpunode_protocol::PeerId;
@@ -26,10 +26,11 @@ pub struct ProviderAdvert {
 /// The terms `provider` would offer for `req` now, if they can be foreseen from its
 /// `advert`: not for a reservation (it starts when asked, and is held meanwhile), not
 /// above the request's price limit, and only with as many idle GPUs in the advert that
-/// match the request, clear of reservations, as were asked for (picked as the provider
-/// picks: smallest sufficient first). The lease starts [`PROPOSAL_START_LEAD_MS`]
-/// before `now` (see the constant) under a fresh random id.
-pub(super) fn foreseen_terms(
+/// match the request, clear of reservations, as were asked for, picked as the
+/// provider's queue picks them (the lowest indices) and listed as its book lists them
+/// (smallest first). The lease starts [`PROPOSAL_START_LEAD_MS`] before `now` (see the
+/// constant), under the id derived from the proposal ([`proposal_lease_id`]).
+pub(crate) fn foreseen_terms(
     req: &LeaseRequest,
     provider: PeerId,
     advert: &ProviderAdvert,
@@ -61,15 +62,16 @@ pub(super) fn foreseen_terms(
     if idle.len() < wanted {
         return None;
     }
+    idle.sort_by_key(|g| g.index);
+    idle.truncate(wanted);
     idle.sort_by_key(|g| (g.memory_bytes, g.index));
     Some(LeaseTerms {
         version: LEASE_VERSION,
-        lease_id: LeaseId(rand::random()),
+        lease_id: proposal_lease_id(&provider, &req.requester, req.nonce, start),
         provider,
         requester: req.requester,
         gpus: idle
             .into_iter()
-            .take(wanted)
             .map(|g| LeasedGpu {
                 index: g.index,
                 uuid: g.uuid.clone(),
@@ -93,7 +95,7 @@ mod tests {
     use super::*;
     use crate::lease::book::{proposal_fits, LeaseBook};
     use crate::lease::policy::{Capacity, GpuSlot, LeasePolicy};
-    use gpunode_protocol::lease::Requirements;
+    use gpunode_protocol::lease::{LeaseId, Requirements};
     use gpunode_protocol::Keypair;
 
     const NOW: UnixMillis = 1_800_000_000_000;
@@ -168,41 +170,6 @@ mod tests {
             .0
     }
 
-    /// Foreseen from an up-to-date advert, the terms are exactly those the provider's
-    /// own book offers (so it grants them at once), with GPUs and without.
-    #[test]
-    fn terms_foreseen_from_a_current_advert_are_the_ones_the_provider_offers() {
-        let (provider, requester) = (Keypair::generate_ed25519(), Keypair::generate_ed25519());
-        let advert = ProviderAdvert {
-            price: 1_500,
-            gpus: vec![
-                gpu(0, "A100-80GB", 80, GpuState::Idle),
-                gpu(1, "A100-40GB", 40, GpuState::Idle),
-                gpu(2, "T4-16GB", 16, GpuState::Idle),
-            ],
-        };
-        for (gpus, model) in [(0, None), (1, Some("A100")), (2, None)] {
-            let mut book = provider_book(
-                &provider,
-                1_500,
-                &[
-                    (0, "A100-80GB", 80, true),
-                    (1, "A100-40GB", 40, true),
-                    (2, "T4-16GB", 16, true),
-                ],
-            );
-            let req = request(&requester, gpus, model);
-            let proposed =
-                foreseen_terms(&req, provider.public().to_peer_id(), &advert, NOW).unwrap();
-            assert_eq!(proposed.gpus.len(), gpus as usize);
-            let terms = offered(&mut book, &provider, &req, proposed.lease_id);
-            assert!(
-                proposal_fits(&terms, &proposed, NOW),
-                "{terms:?}\n{proposed:?}"
-            );
-        }
-    }
-
     /// Nothing is proposed where the provider's terms cannot be foreseen: a
     /// reservation, a price above the request's limit, too few idle matching GPUs (the
     /// advert's leased or reserved ones do not count).
@@ -229,7 +196,8 @@ mod tests {
 
     /// An advert out of date (its idle GPU since taken by the owner, or a new price)
     /// foresees terms the provider does not offer: the proposal does not fit, and the
-    /// provider's offer is what the requester then judges.
+    /// provider's offer is what the requester then judges. (Proposals that do fit, on
+    /// GPUs of several sizes, go through a provider's desk in its tests.)
     #[test]
     fn terms_foreseen_from_an_old_advert_do_not_fit() {
         let (provider, requester) = (Keypair::generate_ed25519(), Keypair::generate_ed25519());
@@ -243,19 +211,25 @@ mod tests {
         };
         let req = request(&requester, 1, Some("A100"));
         let proposed = foreseen_terms(&req, pid, &advert, NOW).unwrap();
-        assert_eq!(proposed.gpus[0].index, 1, "smallest sufficient first");
+        assert_eq!(
+            proposed.gpus[0].index, 0,
+            "the lowest index, as the queue picks"
+        );
         let mut taken = provider_book(
             &provider,
             1_500,
-            &[(0, "A100-80GB", 80, true), (1, "A100-40GB", 40, false)],
+            &[(0, "A100-80GB", 80, false), (1, "A100-40GB", 40, true)],
         );
         let terms = offered(&mut taken, &provider, &req, proposed.lease_id);
+        assert_eq!(terms.gpus[0].index, 1);
         assert!(!proposal_fits(&terms, &proposed, NOW));
-        let mut dearer = provider_book(
-            &provider,
-            1_800,
-            &[(0, "A100-80GB", 80, true), (1, "A100-40GB", 40, true)],
-        );
+        // Without GPUs only the price can differ.
+        let req = request(&requester, 0, None);
+        let proposed = foreseen_terms(&req, pid, &advert, NOW).unwrap();
+        let mut same = provider_book(&provider, 1_500, &[]);
+        let terms = offered(&mut same, &provider, &req, proposed.lease_id);
+        assert!(proposal_fits(&terms, &proposed, NOW));
+        let mut dearer = provider_book(&provider, 1_800, &[]);
         let terms = offered(&mut dearer, &provider, &req, proposed.lease_id);
         assert!(!proposal_fits(&terms, &proposed, NOW));
     }
