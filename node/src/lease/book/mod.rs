@@ -307,8 +307,8 @@ impl LeaseBook {
     }
 
     /// Steps 2 and 4 at once, as provider: the request is judged as
-    /// [`Self::on_request_preferring`] judges it, and when the terms it would offer are
-    /// the `proposed` ones (the requester's id and start, see [`proposal_fits`]) the
+    /// [`Self::on_request_preferring`] judges it, and when the terms it would offer under
+    /// `lease_id` are the `proposed` ones (save the start, see [`proposal_fits`]) the
     /// requester's signature is checked and the lease is active at once, signed by both:
     /// [`ProposalAnswer::Granted`] with our signature. Terms that differ (a GPU taken
     /// meanwhile, another price, a clock too far off) are held and offered as usual.

@@ -54,8 +54,9 @@ impl NotGranted {
 
 /// What a provider answered a proposal.
 enum Proposed {
-    /// It granted the proposed terms (recorded here), or its grant was refused.
-    Granted(Result<LeaseView, NotGranted>),
+    /// The negotiation ends here: the proposed terms were granted and are recorded, or
+    /// why there is no lease (a grant whose signature does not verify, say).
+    Decided(Result<LeaseView, NotGranted>),
     /// It answered as to the request alone: an offer of other terms, or why not.
     Offered(Result<(LeaseTerms, Vec<u8>), NotGranted>),
     /// It could not read the proposal (it predates them): ask with the request alone.
@@ -327,7 +328,7 @@ impl Negotiator {
             Some(terms) => {
                 accepting(peer);
                 match self.propose(peer, addrs.clone(), &req, terms).await? {
-                    Proposed::Granted(view) => return Ok(view),
+                    Proposed::Decided(view) => return Ok(view),
                     Proposed::Offered(offer) => offer,
                     Proposed::Unheard => self.ask_offer(peer, addrs.clone(), &req).await?,
                 }
@@ -383,7 +384,7 @@ impl Negotiator {
     ) -> Result<Proposed, NodeError> {
         let requester_sig = match terms.sign(&self.keypair) {
             Ok(s) => s,
-            Err(e) => return Ok(Proposed::Granted(Err(NotGranted::Refused(e.to_string())))),
+            Err(e) => return Ok(Proposed::Decided(Err(NotGranted::Refused(e.to_string())))),
         };
         let message = LeaseMessage::Propose {
             request: req.clone(),
@@ -395,8 +396,8 @@ impl Negotiator {
                 lease_id,
                 provider_sig,
             }) if lease_id == terms.lease_id => match terms.verify(&peer, &provider_sig) {
-                Ok(()) => Proposed::Granted(self.record(terms, provider_sig, requester_sig).await?),
-                Err(e) => Proposed::Granted(Err(NotGranted::Refused(format!(
+                Ok(()) => Proposed::Decided(self.record(terms, provider_sig, requester_sig).await?),
+                Err(e) => Proposed::Decided(Err(NotGranted::Refused(format!(
                     "grant refused: the provider's signature does not verify: {e}"
                 )))),
             },
