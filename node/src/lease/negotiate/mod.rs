@@ -14,8 +14,8 @@ use crate::lease::LeaseSendError;
 use std::time::Duration;
 
 use gpunode_protocol::lease::{
-    LeaseMessage, LeaseReply, LeaseRequest, LeaseTerms, QueuePlace, RejectCode, Rejection,
-    Requirements, LEASE_VERSION,
+    Cancellation, LeaseId, LeaseMessage, LeaseReply, LeaseRequest, LeaseTerms, QueuePlace,
+    RejectCode, Rejection, Requirements, LEASE_VERSION,
 };
 use gpunode_protocol::time::now_ms;
 use gpunode_protocol::PeerId;
@@ -391,16 +391,23 @@ impl Negotiator {
             terms: terms.clone(),
             requester_sig: requester_sig.clone(),
         };
-        Ok(match self.send_lease(peer, addrs, message).await? {
+        Ok(match self.send_lease(peer, addrs.clone(), message).await? {
             Ok(LeaseReply::Granted {
                 lease_id,
                 provider_sig,
-            }) if lease_id == terms.lease_id => match terms.verify(&peer, &provider_sig) {
-                Ok(()) => Proposed::Decided(self.record(terms, provider_sig, requester_sig).await?),
-                Err(e) => Proposed::Decided(Err(NotGranted::Refused(format!(
-                    "grant refused: the provider's signature does not verify: {e}"
-                )))),
-            },
+            }) if lease_id == terms.lease_id => {
+                let recorded = match terms.verify(&peer, &provider_sig) {
+                    Ok(()) => self.record(terms, provider_sig, requester_sig).await?,
+                    Err(e) => Err(NotGranted::Refused(format!(
+                        "grant refused: the provider's signature does not verify: {e}"
+                    ))),
+                };
+                if recorded.is_err() {
+                    // The provider holds a lease we do not: it is told to let it go.
+                    self.withdraw(peer, addrs, lease_id).await;
+                }
+                Proposed::Decided(recorded)
+            }
             Ok(LeaseReply::Offer {
                 terms,
                 provider_sig,
@@ -409,6 +416,27 @@ impl Negotiator {
             Ok(LeaseReply::Rejected(r)) if r.code == RejectCode::Malformed => Proposed::Unheard,
             other => Proposed::Offered(Err(NotGranted::from_answer(other))),
         })
+    }
+
+    /// Cancels, as its requester, a lease `peer` granted that this node did not take
+    /// (its grant did not verify, or could not be recorded), so the provider does not
+    /// hold it, unused, until its end. Its answer changes nothing here.
+    async fn withdraw(&self, peer: PeerId, addrs: Vec<Multiaddr>, lease_id: LeaseId) {
+        let cancellation = Cancellation {
+            lease_id,
+            by: self.peer_id,
+            at_ms: now_ms(),
+        };
+        let Ok(signature) = cancellation.sign(&self.keypair) else {
+            return;
+        };
+        let message = LeaseMessage::Cancel {
+            cancellation,
+            signature,
+        };
+        if let Err(e) = self.send_lease(peer, addrs, message).await {
+            tracing::debug!(%peer, lease = %lease_id, "cannot withdraw from a refused grant: {e}");
+        }
     }
 
     /// The request for `spec` at `max_price`, sent now and valid for [`REQUEST_TTL_MS`].
@@ -508,7 +536,6 @@ mod tests {
     use crate::loop_client::Command;
     use crate::views::{OfferSearch, OfferView};
     use gpunode_protocol::advert::OfferFilter;
-    use gpunode_protocol::lease::{Cancellation, LeaseId};
     use std::time::Instant;
     use tokio::sync::mpsc;
 
@@ -753,21 +780,35 @@ mod tests {
     }
 
     /// A grant whose signature is not the provider's (over the proposed terms) is
-    /// refused and never recorded.
+    /// refused and never recorded, and the provider is told to let the lease go.
     #[tokio::test]
-    async fn a_grant_signed_by_another_key_is_refused() {
+    async fn a_grant_signed_by_another_key_is_refused_and_withdrawn() {
         let (result, sent, recorded) = negotiate_against(|m| match m {
             LeaseMessage::Propose { terms, .. } => LeaseReply::Granted {
                 lease_id: terms.lease_id,
                 provider_sig: terms.sign(&Keypair::generate_ed25519()).unwrap(),
+            },
+            LeaseMessage::Cancel { cancellation, .. } => LeaseReply::Cancelled {
+                lease_id: cancellation.lease_id,
             },
             other => panic!("unexpected {other:?}"),
         })
         .await;
         let err = result.expect_err("a forged grant");
         assert!(err.to_string().contains("signature"), "{err}");
-        assert_eq!(sent.len(), 1);
         assert_eq!(recorded, 0);
+        let [LeaseMessage::Propose { terms, .. }, LeaseMessage::Cancel {
+            cancellation,
+            signature,
+        }] = &sent[..]
+        else {
+            panic!("expected the proposal and a cancellation, sent {sent:?}");
+        };
+        assert_eq!(cancellation.lease_id, terms.lease_id);
+        assert_eq!(cancellation.by, terms.requester);
+        cancellation
+            .verify(signature)
+            .expect("signed by the requester");
     }
 
     /// A provider that predates proposals refuses one as malformed: the requester
