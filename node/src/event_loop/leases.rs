@@ -298,12 +298,13 @@ pub(crate) fn capacity_from(snapshot: &InventorySnapshot, cpus: u32, mem_bytes: 
 }
 
 /// Whether `reply` acknowledges a change both sides rely on (an active, granted,
-/// renewed or cancelled lease), so it may leave only once the change is durable. An offer binds
-/// nothing until its accept, which is written and flushed before `Activated` leaves: a
-/// crash before the next flush loses the hold (the accept is then refused as
-/// `unknown_lease` and the requester asks again) and the request's nonce (a replay of
-/// it gets an offer that only the requester could accept). A refusal or a queue place
-/// changes nothing durable. These go out at once, without waiting for a flush.
+/// renewed or cancelled lease), so it may leave only once the change is durable. An
+/// offer binds nothing until its accept, which is written and flushed before
+/// `Activated` leaves: a crash before the next flush loses the hold (the accept is then
+/// refused as `unknown_lease` and the requester asks again) and the request's nonce (a
+/// replay of it gets an offer that only the requester could accept). A refusal or a
+/// queue place changes nothing durable. These go out at once, without waiting for a
+/// flush.
 fn binds(reply: &LeaseReply) -> bool {
     match reply {
         LeaseReply::Activated { .. }

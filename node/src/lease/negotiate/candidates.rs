@@ -23,16 +23,6 @@ pub(super) struct Candidate {
     pub(super) advertised: Option<ProviderAdvert>,
 }
 
-impl ProviderAdvert {
-    /// What `o` advertises.
-    fn of(o: &crate::OfferView) -> ProviderAdvert {
-        ProviderAdvert {
-            price: (o.price_per_gpu_hour * 1000.0).round() as u64,
-            gpus: o.gpus.clone(),
-        }
-    }
-}
-
 /// The providers to ask, and the search they came from (none for a named provider).
 pub(super) struct Found {
     /// Whom to ask, best first.

@@ -23,6 +23,16 @@ pub struct ProviderAdvert {
     pub gpus: Vec<AdvertGpu>,
 }
 
+impl ProviderAdvert {
+    /// What the verified offer `o` advertises.
+    pub(super) fn of(o: &crate::OfferView) -> ProviderAdvert {
+        ProviderAdvert {
+            price: (o.price_per_gpu_hour * 1000.0).round() as u64,
+            gpus: o.gpus.clone(),
+        }
+    }
+}
+
 /// The terms `provider` would offer for `req` now, if they can be foreseen from its
 /// `advert`: not for a reservation (it starts when asked, and is held meanwhile), not
 /// above the request's price limit, and only with as many idle GPUs in the advert that
