@@ -38,6 +38,16 @@ pub(crate) enum Command {
         message: Box<LeaseMessage>,
         reply: oneshot::Sender<Result<LeaseReply, LeaseSendError>>,
     },
+    /// A proposal ([`LeaseMessage::Propose`]) sent as [`Command::SendLease`] sends a
+    /// message; a grant of the proposed terms whose signature verifies is recorded by
+    /// the loop as it arrives, as [`Command::RecordLease`] would (the negotiator's
+    /// two visits after a grant become none).
+    ProposeLease {
+        peer: PeerId,
+        addrs: Vec<Multiaddr>,
+        message: Box<LeaseMessage>,
+        reply: oneshot::Sender<Result<ProposalReply, LeaseSendError>>,
+    },
     RecordLease {
         terms: Box<LeaseTerms>,
         provider_sig: Vec<u8>,
@@ -93,6 +103,16 @@ pub(crate) enum Command {
         peer: PeerId,
         reply: oneshot::Sender<(bool, Option<ProviderAdvert>)>,
     },
+}
+
+/// What became of a proposal sent with [`LoopClient::propose_lease`].
+#[derive(Debug)]
+pub enum ProposalReply {
+    /// The provider granted the proposed terms and its signature verifies: the lease as
+    /// this node recorded it, durably, or why it could not be recorded.
+    Recorded(Result<LeaseRecord, LeaseOpError>),
+    /// Any other answer, as the provider gave it (a grant here was not taken).
+    Answered(LeaseReply),
 }
 
 /// A cloneable client of the event loop.
@@ -172,6 +192,23 @@ impl LoopClient {
         message: LeaseMessage,
     ) -> Result<Result<LeaseReply, LeaseSendError>, NodeError> {
         self.ask(|reply| Command::SendLease {
+            peer,
+            addrs,
+            message: Box::new(message),
+            reply,
+        })
+        .await
+    }
+
+    /// Sends the proposal `message` ([`LeaseMessage::Propose`]) to `peer`; a grant of
+    /// its terms, signed by `peer`, is recorded durably before the answer comes back.
+    pub async fn propose_lease(
+        &self,
+        peer: PeerId,
+        addrs: Vec<Multiaddr>,
+        message: LeaseMessage,
+    ) -> Result<Result<ProposalReply, LeaseSendError>, NodeError> {
+        self.ask(|reply| Command::ProposeLease {
             peer,
             addrs,
             message: Box::new(message),

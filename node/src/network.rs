@@ -23,7 +23,7 @@ use libp2p::{
 };
 use std::collections::HashSet;
 
-use crate::lease::codec::{LeaseCodec, LEASE_PROTOCOL};
+use crate::lease::codec::{negotiate_lease_streams_lazily, LeaseCodec, LEASE_PROTOCOL};
 
 /// Kademlia protocol name of the public gpunode network.
 pub const KAD_PROTOCOL: StreamProtocol = StreamProtocol::new("/gpunode/kad/1.0.0");
@@ -264,6 +264,7 @@ fn behaviour(
     } else {
         None
     };
+    negotiate_lease_streams_lazily();
     let lease = request_response::Behaviour::with_codec(
         LeaseCodec,
         [(LEASE_PROTOCOL, request_response::ProtocolSupport::Full)],

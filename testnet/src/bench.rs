@@ -284,15 +284,19 @@ pub struct LeaseReport {
     pub leases_per_s: f64,
     /// Leases that failed during the throughput run.
     pub failures: usize,
+    /// Whether the requesters' stores were on disk too (else in memory).
+    pub durable_requesters: bool,
 }
 
-/// Lease negotiation between nodes on loopback over QUIC, with durable stores: the round
-/// trip of one requester, then the rate one provider sustains with `requesters` at once.
+/// Lease negotiation between nodes on loopback over QUIC, the provider's store on disk
+/// (the requesters' too with `durable_requesters`, else in memory): the round trip of
+/// one requester, then the rate one provider sustains with `requesters` at once.
 pub async fn lease(
     round_trips: usize,
     requesters: usize,
     seconds: u64,
     lease_ms: u64,
+    durable_requesters: bool,
 ) -> Result<LeaseReport> {
     fn roomy(_: usize, c: &mut gpunode_node::NodeConfig) {
         c.cpu_cores = Some(1_000_000);
@@ -303,10 +307,19 @@ pub async fn lease(
     config.tweak = Some(roomy);
     config.inventory_poll = Duration::from_secs(5);
     config.ephemeral_store = std::env::var("BENCH_EPHEMERAL").is_ok();
-    let net = TestNet::configured(config)
-        .with_clients(requesters.max(1))
+    let mut net = TestNet::configured(config)
+        .with_clients(if durable_requesters {
+            0
+        } else {
+            requesters.max(1)
+        })
         .start()
         .await?;
+    if durable_requesters {
+        for _ in 0..requesters.max(1) {
+            net.add_client_with_store().await?;
+        }
+    }
     let spec = gpunode_node::LeaseSpec::new(0, lease_ms)
         .peer(net.provider_id(0))
         .cpus(1)
@@ -331,6 +344,7 @@ pub async fn lease(
         requesters: clients.len(),
         leases_per_s: ok as f64 / elapsed,
         failures: failed,
+        durable_requesters,
     };
     net.shutdown().await;
     Ok(report)

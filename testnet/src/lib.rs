@@ -304,6 +304,14 @@ impl TestNet {
         Ok(&self.clients[self.clients.len() - 1])
     }
 
+    /// Like [`TestNet::add_client`], with the client's store on disk (durable writes, as
+    /// in production).
+    pub async fn add_client_with_store(&mut self) -> Result<&TestNode> {
+        let client = self.new_client_with_store().await?;
+        self.clients.push(client);
+        Ok(&self.clients[self.clients.len() - 1])
+    }
+
     /// Provider `i`.
     pub fn provider(&self, i: usize) -> &TestNode {
         &self.nodes[i]

@@ -4,7 +4,7 @@
 //! until one flush has made a whole batch durable (group commit), while offers and
 //! refusals leave at once; outbound messages are routed back to their callers.
 
-use gpunode_protocol::lease::{LeaseMessage, LeaseReply, RejectCode, Rejection};
+use gpunode_protocol::lease::{LeaseMessage, LeaseReply, LeaseTerms, RejectCode, Rejection};
 use gpunode_protocol::time::now_ms;
 use libp2p::request_response::{self, ResponseChannel};
 use libp2p::swarm::dial_opts::{DialOpts, PeerCondition};
@@ -15,12 +15,44 @@ use crate::inventory::InventorySnapshot;
 use crate::lease::book::SignedRenewal;
 use crate::lease::codec::InboundLease;
 use crate::lease::desk::LocalCancel;
+use crate::lease::negotiate::granted_signature;
 use crate::lease::{
     persist, Capacity, Effects, GpuSlot, LeaseOpError, LeaseRecord, LeaseSendError,
 };
+use crate::loop_client::ProposalReply;
 use gpunode_protocol::gpu::GpuState;
+use tokio::sync::oneshot;
 
 type LeaseEvent = request_response::Event<InboundLease, LeaseReply>;
+
+/// Where the answer to a lease message this node sent goes.
+pub(super) enum Awaiting {
+    /// To the caller, as it came.
+    Reply(oneshot::Sender<Result<LeaseReply, LeaseSendError>>),
+    /// A proposal's: see [`EventLoop::on_proposal_answer`].
+    Proposal(Box<ProposalSent>),
+}
+
+/// A proposal sent, what it proposed, and who waits for what became of it.
+pub(super) struct ProposalSent {
+    terms: LeaseTerms,
+    requester_sig: Vec<u8>,
+    reply: oneshot::Sender<Result<ProposalReply, LeaseSendError>>,
+}
+
+impl Awaiting {
+    /// The message could not be delivered, or its answer not read.
+    fn failed(self, error: LeaseSendError) {
+        match self {
+            Awaiting::Reply(reply) => {
+                let _ = reply.send(Err(error));
+            }
+            Awaiting::Proposal(sent) => {
+                let _ = sent.reply.send(Err(error));
+            }
+        }
+    }
+}
 
 impl EventLoop {
     pub(super) fn on_lease_event(&mut self, event: LeaseEvent) {
@@ -34,17 +66,20 @@ impl EventLoop {
                 ..
             } => self.on_lease_request(peer, request, channel),
             request_response::Event::Message {
+                peer,
                 message:
                     request_response::Message::Response {
                         request_id,
                         response,
                     },
                 ..
-            } => {
-                if let Some(reply) = self.lease_out.remove(&request_id) {
+            } => match self.lease_out.remove(&request_id) {
+                Some(Awaiting::Reply(reply)) => {
                     let _ = reply.send(Ok(response));
                 }
-            }
+                Some(Awaiting::Proposal(sent)) => self.on_proposal_answer(peer, *sent, response),
+                None => {}
+            },
             request_response::Event::OutboundFailure {
                 request_id,
                 error,
@@ -65,12 +100,12 @@ impl EventLoop {
                     // think we have, so the next message dials afresh.
                     let _ = self.swarm.disconnect_peer_id(peer);
                 }
-                if let Some(reply) = self.lease_out.remove(&request_id) {
-                    let _ = reply.send(Err(LeaseSendError {
+                if let Some(awaiting) = self.lease_out.remove(&request_id) {
+                    awaiting.failed(LeaseSendError {
                         peer,
                         reason: error.to_string(),
                         transport,
-                    }));
+                    });
                 }
             }
             request_response::Event::InboundFailure { peer, error, .. } => {
@@ -199,13 +234,55 @@ impl EventLoop {
         self.carry_out(effects);
     }
 
-    /// Sends a lease message and hands the answer to `reply`.
+    /// Sends a proposal; its answer goes to [`EventLoop::on_proposal_answer`].
+    pub(super) fn propose_lease(
+        &mut self,
+        peer: PeerId,
+        addrs: Vec<libp2p::Multiaddr>,
+        message: LeaseMessage,
+        reply: oneshot::Sender<Result<ProposalReply, LeaseSendError>>,
+    ) {
+        let LeaseMessage::Propose {
+            terms,
+            requester_sig,
+            ..
+        } = &message
+        else {
+            let _ = reply.send(Ok(ProposalReply::Answered(LeaseReply::Rejected(
+                Rejection::new(RejectCode::Malformed, "not a proposal"),
+            ))));
+            return;
+        };
+        let sent = ProposalSent {
+            terms: terms.clone(),
+            requester_sig: requester_sig.clone(),
+            reply,
+        };
+        self.send_lease(peer, addrs, message, Awaiting::Proposal(Box::new(sent)));
+    }
+
+    /// A proposal's answer: a grant of its terms signed by the provider is recorded
+    /// here and now (durably), without a trip back to the negotiator and another here;
+    /// any other answer goes back as it came.
+    fn on_proposal_answer(&mut self, provider: PeerId, sent: ProposalSent, answer: LeaseReply) {
+        let reply = match granted_signature(&provider, &sent.terms, &answer) {
+            Some(provider_sig) => ProposalReply::Recorded(self.record_requester_lease(
+                sent.terms,
+                provider_sig,
+                sent.requester_sig,
+            )),
+            None => ProposalReply::Answered(answer),
+        };
+        let _ = sent.reply.send(Ok(reply));
+    }
+
+    /// Sends a lease message; its answer goes where `awaiting` says.
     pub(super) fn send_lease(
         &mut self,
         peer: PeerId,
         addrs: Vec<libp2p::Multiaddr>,
         message: LeaseMessage,
-        reply: tokio::sync::oneshot::Sender<Result<LeaseReply, LeaseSendError>>,
+        awaiting: Awaiting,
     ) {
         if !addrs.is_empty() && !self.connections.contains_key(&peer) {
             // The addresses come from the peer's newest signed advert: they replace what
@@ -232,7 +309,7 @@ impl EventLoop {
             .behaviour_mut()
             .lease
             .send_request_with_addresses(&peer, InboundLease::Message(message), addrs);
-        self.lease_out.insert(id, reply);
+        self.lease_out.insert(id, awaiting);
     }
 
     /// Records a lease the provider activated for us, durably.

@@ -26,7 +26,7 @@ use gpunode_protocol::time::now_ms;
 use libp2p::identity::Keypair;
 use libp2p::kad::QueryId;
 use libp2p::{Multiaddr, PeerId, Swarm};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 mod finds;
@@ -44,7 +44,7 @@ pub(crate) use swarm::dial_bootstrap;
 use crate::adverts::{AdvertBook, LocalOffer};
 use crate::inventory::InventorySnapshot;
 use crate::lease::negotiate::ProviderAdvert;
-use crate::lease::{LeaseDesk, LeaseOpError, LeaseRecord, LeaseSendError};
+use crate::lease::{LeaseDesk, LeaseOpError, LeaseRecord};
 use crate::loop_client::Command;
 use crate::metrics::Metrics;
 use crate::network::NodeBehaviour;
@@ -143,7 +143,7 @@ pub(crate) struct EventLoop {
     desk: LeaseDesk,
     /// How peers stand with this node (team and accounts), for the desk.
     standings: PeerStandings,
-    lease_out: HashMap<OutboundRequestId, oneshot::Sender<Result<LeaseReply, LeaseSendError>>>,
+    lease_out: HashMap<OutboundRequestId, leases::Awaiting>,
     lease_replies: Vec<(ResponseChannel<LeaseReply>, LeaseReply)>,
     lease_jobs: crate::jobs::LeaseJobs,
     accounts: Arc<crate::Accounts>,
@@ -324,7 +324,13 @@ impl EventLoop {
                 addrs,
                 message,
                 reply,
-            } => self.send_lease(peer, addrs, *message, reply),
+            } => self.send_lease(peer, addrs, *message, leases::Awaiting::Reply(reply)),
+            Command::ProposeLease {
+                peer,
+                addrs,
+                message,
+                reply,
+            } => self.propose_lease(peer, addrs, *message, reply),
             Command::RecordLease {
                 terms,
                 provider_sig,

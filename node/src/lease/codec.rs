@@ -13,7 +13,20 @@ use libp2p::request_response::Codec;
 use libp2p::StreamProtocol;
 
 /// Protocol name of lease negotiation.
-pub const LEASE_PROTOCOL: StreamProtocol = StreamProtocol::new("/gpunode/lease/1.0.0");
+pub const LEASE_PROTOCOL_NAME: &str = "/gpunode/lease/1.0.0";
+/// [`LEASE_PROTOCOL_NAME`] as libp2p takes it.
+pub const LEASE_PROTOCOL: StreamProtocol = StreamProtocol::new(LEASE_PROTOCOL_NAME);
+
+/// From now on this process opens lease streams lazily: a request leaves right behind
+/// its stream's protocol proposal instead of waiting a round trip for the provider to
+/// confirm it (multistream-select's `V1Lazy`, which every listener understands; the
+/// vendored crate's one change, see vendor/README.md). Safe for this protocol because
+/// its dialer always reads the reply before it lets the stream go. A peer that does not
+/// serve the protocol then fails the request as an I/O error on the reply, not as an
+/// unsupported protocol: every gpunode node serves it.
+pub fn negotiate_lease_streams_lazily() {
+    multistream_select::negotiate_lazily(LEASE_PROTOCOL_NAME);
+}
 
 /// A request as read from (or written to) the wire.
 // Requests are read once and handed straight to the event loop; boxing would buy nothing.
@@ -116,5 +129,90 @@ impl Codec for LeaseCodec {
     {
         io.write_all(&encoding::encode(&res)).await?;
         io.close().await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use futures::FutureExt;
+    use multistream_select::{dialer_select_proto, listener_select_proto, Version};
+    use tokio_util::compat::TokioAsyncReadCompatExt;
+
+    /// A lease stream is settled on at once (the request can follow its proposal in the
+    /// same packet), while any other protocol still waits for the listener: without the
+    /// registration, or with it applied to every protocol, this fails.
+    #[tokio::test]
+    async fn a_lease_stream_does_not_wait_for_the_listener_and_others_do() {
+        negotiate_lease_streams_lazily();
+        let (dialer, _listener) = tokio::io::duplex(4096);
+        let lease = dialer_select_proto(dialer.compat(), [LEASE_PROTOCOL_NAME], Version::V1);
+        let (protocol, _) = lease
+            .now_or_never()
+            .expect("a lease stream waited for the listener")
+            .expect("negotiation failed");
+        assert_eq!(protocol, LEASE_PROTOCOL_NAME);
+
+        let (dialer, _listener) = tokio::io::duplex(4096);
+        let job = dialer_select_proto(dialer.compat(), ["/gpunode/job/1.0.0"], Version::V1);
+        assert!(
+            job.now_or_never().is_none(),
+            "another protocol did not wait for the listener's confirmation"
+        );
+    }
+
+    /// A lease stream opened on `dialer` as the node opens one, with a request written.
+    async fn request_sent(
+        dialer: tokio::io::DuplexStream,
+    ) -> multistream_select::Negotiated<tokio_util::compat::Compat<tokio::io::DuplexStream>> {
+        let (_, mut io) = dialer_select_proto(dialer.compat(), [LEASE_PROTOCOL_NAME], Version::V1)
+            .await
+            .expect("dialer negotiation");
+        io.write_all(b"request").await.expect("write");
+        io.flush().await.expect("flush");
+        io
+    }
+
+    /// Against a listener that negotiates as every libp2p node does (an older gpunode
+    /// too), the request sent before the confirmation arrives whole and the reply comes
+    /// back; a listener that does not serve the protocol fails the dialer's read.
+    #[tokio::test]
+    async fn a_lazily_opened_lease_stream_carries_request_and_reply() {
+        negotiate_lease_streams_lazily();
+        let (dialer, listener) = tokio::io::duplex(4096);
+        let provider = tokio::spawn(async move {
+            let (protocol, mut io) =
+                listener_select_proto(listener.compat(), [LEASE_PROTOCOL_NAME])
+                    .await
+                    .expect("listener negotiation");
+            assert_eq!(protocol, LEASE_PROTOCOL_NAME);
+            let mut request = [0u8; 7];
+            io.read_exact(&mut request).await.expect("request");
+            assert_eq!(&request, b"request");
+            io.write_all(b"reply").await.expect("reply");
+            io.close().await.expect("close");
+        });
+        let mut io = request_sent(dialer).await;
+        let mut reply = Vec::new();
+        io.read_to_end(&mut reply).await.expect("read");
+        assert_eq!(reply, b"reply");
+        provider.await.expect("listener task");
+
+        let (dialer, listener) = tokio::io::duplex(4096);
+        let refuser = tokio::spawn(async move {
+            let refused = listener_select_proto(listener.compat(), ["/other/1.0.0"]).await;
+            assert!(
+                refused.is_err(),
+                "the listener accepted a protocol it does not serve"
+            );
+        });
+        let mut io = request_sent(dialer).await;
+        let mut reply = Vec::new();
+        assert!(
+            io.read_to_end(&mut reply).await.is_err(),
+            "a refused lease stream read as a reply"
+        );
+        drop(io);
+        refuser.await.expect("listener task");
     }
 }

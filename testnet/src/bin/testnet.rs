@@ -103,6 +103,10 @@ enum Bench {
         /// the run; leases longer than the run measure negotiation alone.
         #[arg(long, default_value_t = 2_000)]
         lease_ms: u64,
+        /// Keep the requesters' stores on disk too (their lease records and receipts
+        /// flushed as in production); by default only the provider's store is.
+        #[arg(long)]
+        durable_requesters: bool,
     },
     /// An honest job's time while one peer floods the provider with idle job streams
     /// and connection attempts, next to the quiet figure.
@@ -340,11 +344,13 @@ fn bench(which: Bench) -> Result<()> {
             requesters,
             seconds,
             lease_ms,
+            durable_requesters,
         } => print(&runtime()?.block_on(testnet::bench::lease(
             round_trips,
             requesters,
             seconds,
             lease_ms,
+            durable_requesters,
         ))?),
         Bench::Flood {
             runs,

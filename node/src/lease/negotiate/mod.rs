@@ -13,6 +13,7 @@ mod recent;
 use crate::lease::LeaseSendError;
 use std::time::Duration;
 
+use futures::future::BoxFuture;
 use gpunode_protocol::lease::{
     Cancellation, LeaseId, LeaseMessage, LeaseReply, LeaseRequest, LeaseTerms, QueuePlace,
     RejectCode, Rejection, Requirements, LEASE_VERSION,
@@ -22,7 +23,7 @@ use gpunode_protocol::PeerId;
 use libp2p::identity::Keypair;
 use libp2p::Multiaddr;
 
-use crate::loop_client::LoopClient;
+use crate::loop_client::{LoopClient, ProposalReply};
 use crate::views::{LeaseSpec, LeaseView};
 use crate::NodeError;
 use candidates::{describe, Candidate};
@@ -30,6 +31,7 @@ use candidates::{describe, Candidate};
 pub use offers::{check_offer, describe_place, rank, REPUTATION_FLOOR};
 #[cfg(test)]
 pub(crate) use propose::foreseen_terms;
+pub(crate) use propose::granted_signature;
 pub use propose::ProviderAdvert;
 
 /// Why one provider did not grant a lease.
@@ -142,16 +144,27 @@ impl Negotiator {
     pub async fn send_lease(
         &self,
         peer: PeerId,
-        mut addrs: Vec<Multiaddr>,
+        addrs: Vec<Multiaddr>,
         message: LeaseMessage,
     ) -> Result<Result<LeaseReply, LeaseSendError>, NodeError> {
+        self.retrying(peer, addrs, |addrs| {
+            Box::pin(self.client.send_lease(peer, addrs, message.clone()))
+        })
+        .await
+    }
+
+    /// Calls `send` with where to reach `peer`, again (up to three times in all) when it
+    /// fails in transport, with the addresses of the peer's newest advert.
+    async fn retrying<'a, T>(
+        &'a self,
+        peer: PeerId,
+        mut addrs: Vec<Multiaddr>,
+        send: impl Fn(Vec<Multiaddr>) -> BoxFuture<'a, Result<Result<T, LeaseSendError>, NodeError>>,
+    ) -> Result<Result<T, LeaseSendError>, NodeError> {
         let mut attempt = 0;
         loop {
             attempt += 1;
-            let answer = self
-                .client
-                .send_lease(peer, addrs.clone(), message.clone())
-                .await?;
+            let answer = send(addrs.clone()).await?;
             match answer {
                 // A dial already under way to an address the peer no longer uses, or a
                 // connection that died with the peer (a crash and restart), fails an
@@ -389,24 +402,38 @@ impl Negotiator {
         let message = LeaseMessage::Propose {
             request: req.clone(),
             terms: terms.clone(),
-            requester_sig: requester_sig.clone(),
+            requester_sig,
         };
-        Ok(match self.send_lease(peer, addrs.clone(), message).await? {
-            Ok(LeaseReply::Granted {
-                lease_id,
-                provider_sig,
-            }) if lease_id == terms.lease_id => {
-                let recorded = match terms.verify(&peer, &provider_sig) {
-                    Ok(()) => self.record(terms, provider_sig, requester_sig).await?,
-                    Err(e) => Err(NotGranted::Refused(format!(
-                        "grant refused: the provider's signature does not verify: {e}"
-                    ))),
-                };
-                if recorded.is_err() {
-                    // The provider holds a lease we do not: it is told to let it go.
-                    self.withdraw(peer, addrs, lease_id).await;
+        let answer = self
+            .retrying(peer, addrs.clone(), |addrs| {
+                Box::pin(self.client.propose_lease(peer, addrs, message.clone()))
+            })
+            .await?;
+        let answer = match answer {
+            // Granted, checked and recorded by the loop as the answer arrived.
+            Ok(ProposalReply::Recorded(record)) => {
+                let taken = record
+                    .map(|r| LeaseView::with_signatures(&r, (true, true)))
+                    .map_err(|e| NotGranted::Refused(e.to_string()));
+                if taken.is_err() {
+                    // The provider holds a lease we could not record: it is told to
+                    // let it go.
+                    self.withdraw(peer, addrs, terms.lease_id).await;
                 }
-                Proposed::Decided(recorded)
+                return Ok(Proposed::Decided(taken));
+            }
+            Ok(ProposalReply::Answered(answer)) => Ok(answer),
+            Err(e) => Err(e),
+        };
+        Ok(match answer {
+            // A grant the loop did not take: its signature is not the provider's over
+            // the proposed terms.
+            Ok(LeaseReply::Granted { lease_id, .. }) if lease_id == terms.lease_id => {
+                self.withdraw(peer, addrs, lease_id).await;
+                Proposed::Decided(Err(NotGranted::Refused(
+                    "grant refused: the provider's signature does not verify over the proposed terms"
+                        .into(),
+                )))
             }
             Ok(LeaseReply::Offer {
                 terms,
@@ -642,6 +669,7 @@ mod tests {
             vec![offer_at(kept_provider, &[addr])],
             Instant::now(),
         );
+        let full = || LeaseReply::Rejected(Rejection::new(RejectCode::NoCapacity, "full"));
         let fake_loop = tokio::spawn(async move {
             let (mut searches, mut asked) = (0, Vec::new());
             while let Some(command) = rx.recv().await {
@@ -656,12 +684,11 @@ mod tests {
                     }
                     Command::SendLease { peer, reply, .. } => {
                         asked.push(peer);
-                        let _ = reply.send(Ok(LeaseReply::Rejected(
-                            gpunode_protocol::lease::Rejection::new(
-                                gpunode_protocol::lease::RejectCode::NoCapacity,
-                                "full",
-                            ),
-                        )));
+                        let _ = reply.send(Ok(full()));
+                    }
+                    Command::ProposeLease { peer, reply, .. } => {
+                        asked.push(peer);
+                        let _ = reply.send(Ok(ProposalReply::Answered(full())));
                     }
                     Command::IsConnected { reply, .. } => {
                         let _ = reply.send(false);
@@ -724,6 +751,38 @@ mod tests {
                         let _ = reply.send(Ok(answer(&message)));
                         sent.push(*message);
                     }
+                    // As the real loop does: a grant of the proposed terms that
+                    // verifies is recorded, anything else goes back as it came.
+                    Command::ProposeLease {
+                        peer,
+                        message,
+                        reply,
+                        ..
+                    } => {
+                        let LeaseMessage::Propose {
+                            terms,
+                            requester_sig,
+                            ..
+                        } = &*message
+                        else {
+                            panic!("proposed {message:?}");
+                        };
+                        let answer = answer(&message);
+                        let outcome = match granted_signature(&peer, terms, &answer) {
+                            Some(provider_sig) => {
+                                recorded += 1;
+                                ProposalReply::Recorded(record_in(
+                                    &mut book,
+                                    terms.clone(),
+                                    provider_sig,
+                                    requester_sig.clone(),
+                                ))
+                            }
+                            None => ProposalReply::Answered(answer),
+                        };
+                        let _ = reply.send(Ok(outcome));
+                        sent.push(*message);
+                    }
                     Command::RecordLease {
                         terms,
                         provider_sig,
@@ -731,16 +790,8 @@ mod tests {
                         reply,
                     } => {
                         recorded += 1;
-                        let id = terms.lease_id;
-                        let _ = reply.send(
-                            book.record_requester_lease(
-                                *terms,
-                                provider_sig,
-                                requester_sig,
-                                now_ms(),
-                            )
-                            .map(|()| book.get(&id).cloned().expect("recorded")),
-                        );
+                        let _ =
+                            reply.send(record_in(&mut book, *terms, provider_sig, requester_sig));
                     }
                     other => panic!("unexpected command {other:?}"),
                 }
@@ -751,6 +802,18 @@ mod tests {
         drop(negotiator);
         let (sent, recorded) = fake_loop.await.unwrap();
         (result, sent, recorded)
+    }
+
+    /// Records a lease as the requester's loop does, in `book`.
+    fn record_in(
+        book: &mut crate::lease::LeaseBook,
+        terms: LeaseTerms,
+        provider_sig: Vec<u8>,
+        requester_sig: Vec<u8>,
+    ) -> Result<crate::lease::LeaseRecord, crate::lease::LeaseOpError> {
+        let id = terms.lease_id;
+        book.record_requester_lease(terms, provider_sig, requester_sig, now_ms())
+            .map(|()| book.get(&id).cloned().expect("recorded"))
     }
 
     /// The fake provider's key in the negotiations above.

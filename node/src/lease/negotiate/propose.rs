@@ -9,7 +9,8 @@
 use gpunode_protocol::advert::{AdvertGpu, OfferFilter};
 use gpunode_protocol::gpu::GpuState;
 use gpunode_protocol::lease::{
-    proposal_lease_id, LeaseRequest, LeaseTerms, LeasedGpu, LEASE_VERSION, PROPOSAL_START_LEAD_MS,
+    proposal_lease_id, LeaseReply, LeaseRequest, LeaseTerms, LeasedGpu, LEASE_VERSION,
+    PROPOSAL_START_LEAD_MS,
 };
 use gpunode_protocol::time::UnixMillis;
 use gpunode_protocol::PeerId;
@@ -98,6 +99,25 @@ pub(crate) fn foreseen_terms(
         request_nonce: req.nonce,
         offer_expires_ms: req.expires_at_ms,
     })
+}
+
+/// The provider's signature when `reply` grants the proposed `terms` as they are: under
+/// their id, signed by `provider` over exactly those terms. Nothing for any other reply
+/// (an offer, a refusal, or a grant that must not be taken).
+pub(crate) fn granted_signature(
+    provider: &PeerId,
+    terms: &LeaseTerms,
+    reply: &LeaseReply,
+) -> Option<Vec<u8>> {
+    match reply {
+        LeaseReply::Granted {
+            lease_id,
+            provider_sig,
+        } if *lease_id == terms.lease_id && terms.verify(provider, provider_sig).is_ok() => {
+            Some(provider_sig.clone())
+        }
+        _ => None,
+    }
 }
 
 #[cfg(test)]
@@ -242,5 +262,51 @@ mod tests {
         let mut dearer = provider_book(&provider, 1_800, &[]);
         let terms = offered(&mut dearer, &provider, &req, proposed.lease_id);
         assert!(!proposal_fits(&terms, &proposed, NOW));
+    }
+
+    /// Only a grant of the proposed terms, under their id and signed by the provider
+    /// over exactly those terms, is taken (the requester's loop records it as it
+    /// arrives); every other answer goes back to the negotiator to judge.
+    #[test]
+    fn only_the_providers_grant_of_the_proposed_terms_is_taken() {
+        let (provider, requester) = (Keypair::generate_ed25519(), Keypair::generate_ed25519());
+        let pid = provider.public().to_peer_id();
+        let advert = ProviderAdvert {
+            price: 1_500,
+            gpus: Vec::new(),
+        };
+        let terms = foreseen_terms(&request(&requester, 0, None), pid, &advert, NOW).unwrap();
+        let grant = |lease_id: LeaseId, provider_sig: Vec<u8>| LeaseReply::Granted {
+            lease_id,
+            provider_sig,
+        };
+        let signed = terms.sign(&provider).unwrap();
+        assert_eq!(
+            granted_signature(&pid, &terms, &grant(terms.lease_id, signed.clone())),
+            Some(signed.clone())
+        );
+        // Signed by someone else (the requester itself, say).
+        let forged = grant(terms.lease_id, terms.sign(&requester).unwrap());
+        assert_eq!(granted_signature(&pid, &terms, &forged), None);
+        // The provider's signature, but over other terms.
+        let mut other = terms.clone();
+        other.end_ms += 1;
+        let elsewhere = grant(terms.lease_id, other.sign(&provider).unwrap());
+        assert_eq!(granted_signature(&pid, &terms, &elsewhere), None);
+        // Another lease's id.
+        let renamed = grant(LeaseId([9; 16]), signed.clone());
+        assert_eq!(granted_signature(&pid, &terms, &renamed), None);
+        // Granted by a peer it was not proposed to.
+        let stranger = Keypair::generate_ed25519().public().to_peer_id();
+        assert_eq!(
+            granted_signature(&stranger, &terms, &grant(terms.lease_id, signed)),
+            None
+        );
+        // Not a grant at all.
+        let offer = LeaseReply::Offer {
+            terms: terms.clone(),
+            provider_sig: terms.sign(&provider).unwrap(),
+        };
+        assert_eq!(granted_signature(&pid, &terms, &offer), None);
     }
 }
