@@ -11,7 +11,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::lease::book::SignedRenewal;
 use crate::lease::desk::LocalCancel;
-use crate::lease::negotiate::ProviderAdvert;
+use crate::lease::negotiate::{Proposal, ProviderAdvert};
 use crate::lease::{LeaseOpError, LeaseRecord, LeaseSendError};
 use crate::views::{NodeStatus, OfferSearch};
 use crate::NodeError;
@@ -38,14 +38,14 @@ pub(crate) enum Command {
         message: Box<LeaseMessage>,
         reply: oneshot::Sender<Result<LeaseReply, LeaseSendError>>,
     },
-    /// A proposal ([`LeaseMessage::Propose`]) sent as [`Command::SendLease`] sends a
-    /// message; a grant of the proposed terms whose signature verifies is recorded by
-    /// the loop as it arrives, as [`Command::RecordLease`] would (the negotiator's
-    /// two visits after a grant become none).
+    /// A proposal, sent as [`Command::SendLease`] sends a message; a grant of the
+    /// proposed terms whose signature verifies is recorded by the loop as it arrives, as
+    /// [`Command::RecordLease`] would (see [`crate::lease::negotiate::proposal_outcome`]),
+    /// sparing the negotiator a visit to the loop and the wait for its answer.
     ProposeLease {
         peer: PeerId,
         addrs: Vec<Multiaddr>,
-        message: Box<LeaseMessage>,
+        proposal: Box<Proposal>,
         reply: oneshot::Sender<Result<ProposalReply, LeaseSendError>>,
     },
     RecordLease {
@@ -200,18 +200,18 @@ impl LoopClient {
         .await
     }
 
-    /// Sends the proposal `message` ([`LeaseMessage::Propose`]) to `peer`; a grant of
-    /// its terms, signed by `peer`, is recorded durably before the answer comes back.
+    /// Sends `proposal` to `peer` (dialling `addrs` when not connected); a grant of its
+    /// terms, signed by `peer`, is recorded durably before the answer comes back.
     pub async fn propose_lease(
         &self,
         peer: PeerId,
         addrs: Vec<Multiaddr>,
-        message: LeaseMessage,
+        proposal: Proposal,
     ) -> Result<Result<ProposalReply, LeaseSendError>, NodeError> {
         self.ask(|reply| Command::ProposeLease {
             peer,
             addrs,
-            message: Box::new(message),
+            proposal: Box::new(proposal),
             reply,
         })
         .await

@@ -23,7 +23,7 @@ use libp2p::{
 };
 use std::collections::HashSet;
 
-use crate::lease::codec::{negotiate_lease_streams_lazily, LeaseCodec, LEASE_PROTOCOL};
+use crate::lease::codec::{lease_behaviour, LeaseCodec};
 
 /// Kademlia protocol name of the public gpunode network.
 pub const KAD_PROTOCOL: StreamProtocol = StreamProtocol::new("/gpunode/kad/1.0.0");
@@ -264,14 +264,7 @@ fn behaviour(
     } else {
         None
     };
-    negotiate_lease_streams_lazily();
-    let lease = request_response::Behaviour::with_codec(
-        LeaseCodec,
-        [(LEASE_PROTOCOL, request_response::ProtocolSupport::Full)],
-        request_response::Config::default()
-            .with_request_timeout(Duration::from_secs(10))
-            .with_max_concurrent_streams(256),
-    );
+    let lease = lease_behaviour();
     let allow = settings.team.as_ref().map(|(_, peers)| {
         let mut allow = allow_block_list::Behaviour::<allow_block_list::AllowedPeers>::default();
         for p in peers {

@@ -4,7 +4,7 @@
 //! until one flush has made a whole batch durable (group commit), while offers and
 //! refusals leave at once; outbound messages are routed back to their callers.
 
-use gpunode_protocol::lease::{LeaseMessage, LeaseReply, LeaseTerms, RejectCode, Rejection};
+use gpunode_protocol::lease::{LeaseMessage, LeaseReply, RejectCode, Rejection};
 use gpunode_protocol::time::now_ms;
 use libp2p::request_response::{self, ResponseChannel};
 use libp2p::swarm::dial_opts::{DialOpts, PeerCondition};
@@ -13,9 +13,9 @@ use libp2p::PeerId;
 use super::EventLoop;
 use crate::inventory::InventorySnapshot;
 use crate::lease::book::SignedRenewal;
-use crate::lease::codec::InboundLease;
+use crate::lease::codec::{refused_protocol, InboundLease};
 use crate::lease::desk::LocalCancel;
-use crate::lease::negotiate::granted_signature;
+use crate::lease::negotiate::{proposal_outcome, Proposal};
 use crate::lease::{
     persist, Capacity, Effects, GpuSlot, LeaseOpError, LeaseRecord, LeaseSendError,
 };
@@ -33,10 +33,13 @@ pub(super) enum Awaiting {
     Proposal(Box<ProposalSent>),
 }
 
-/// A proposal sent, what it proposed, and who waits for what became of it.
+/// A proposal sent, and who waits for what became of it.
 pub(super) struct ProposalSent {
-    terms: LeaseTerms,
-    requester_sig: Vec<u8>,
+    /// The peer it went to: only that peer's grant is taken.
+    to: PeerId,
+    /// What was proposed.
+    proposal: Proposal,
+    /// The negotiator waiting for the outcome.
     reply: oneshot::Sender<Result<ProposalReply, LeaseSendError>>,
 }
 
@@ -92,7 +95,7 @@ impl EventLoop {
                         | request_response::OutboundFailure::ConnectionClosed
                         | request_response::OutboundFailure::Io(_)
                         | request_response::OutboundFailure::Timeout
-                );
+                ) && !refused_protocol(&error);
                 let reconnect =
                     transport && !matches!(error, request_response::OutboundFailure::DialFailure);
                 if reconnect {
@@ -239,40 +242,31 @@ impl EventLoop {
         &mut self,
         peer: PeerId,
         addrs: Vec<libp2p::Multiaddr>,
-        message: LeaseMessage,
+        proposal: Proposal,
         reply: oneshot::Sender<Result<ProposalReply, LeaseSendError>>,
     ) {
-        let LeaseMessage::Propose {
-            terms,
-            requester_sig,
-            ..
-        } = &message
-        else {
-            let _ = reply.send(Ok(ProposalReply::Answered(LeaseReply::Rejected(
-                Rejection::new(RejectCode::Malformed, "not a proposal"),
-            ))));
-            return;
-        };
+        let message = proposal.message();
         let sent = ProposalSent {
-            terms: terms.clone(),
-            requester_sig: requester_sig.clone(),
+            to: peer,
+            proposal,
             reply,
         };
         self.send_lease(peer, addrs, message, Awaiting::Proposal(Box::new(sent)));
     }
 
     /// A proposal's answer: a grant of its terms signed by the provider is recorded
-    /// here and now (durably), without a trip back to the negotiator and another here;
-    /// any other answer goes back as it came.
-    fn on_proposal_answer(&mut self, provider: PeerId, sent: ProposalSent, answer: LeaseReply) {
-        let reply = match granted_signature(&provider, &sent.terms, &answer) {
-            Some(provider_sig) => ProposalReply::Recorded(self.record_requester_lease(
-                sent.terms,
-                provider_sig,
-                sent.requester_sig,
-            )),
-            None => ProposalReply::Answered(answer),
-        };
+    /// here and now (durably), without a trip back to the negotiator and another here
+    /// (`proposal_outcome` decides); any other answer goes back as it came. A grant for
+    /// a negotiator that has stopped waiting (its job was cancelled) is not recorded,
+    /// as before the loop recorded grants: nothing here would use the lease.
+    fn on_proposal_answer(&mut self, from: PeerId, sent: ProposalSent, answer: LeaseReply) {
+        if sent.reply.is_closed() {
+            tracing::debug!(peer = %from, "a proposal's answer came after its negotiator left");
+            return;
+        }
+        let reply = proposal_outcome(&sent.to, &from, sent.proposal, answer, |t, p, r| {
+            self.record_requester_lease(t, p, r)
+        });
         let _ = sent.reply.send(Ok(reply));
     }
 

@@ -328,9 +328,9 @@ impl EventLoop {
             Command::ProposeLease {
                 peer,
                 addrs,
-                message,
+                proposal,
                 reply,
-            } => self.propose_lease(peer, addrs, *message, reply),
+            } => self.propose_lease(peer, addrs, *proposal, reply),
             Command::RecordLease {
                 terms,
                 provider_sig,

@@ -9,7 +9,9 @@ use gpunode_protocol::lease::{
     decode_message, decode_reply, LeaseMessage, LeaseReply, RejectCode, Rejection,
     MAX_LEASE_MESSAGE_BYTES,
 };
-use libp2p::request_response::Codec;
+use std::time::Duration;
+
+use libp2p::request_response::{self, Codec};
 use libp2p::StreamProtocol;
 
 /// Protocol name of lease negotiation.
@@ -17,15 +19,36 @@ pub const LEASE_PROTOCOL_NAME: &str = "/gpunode/lease/1.0.0";
 /// [`LEASE_PROTOCOL_NAME`] as libp2p takes it.
 pub const LEASE_PROTOCOL: StreamProtocol = StreamProtocol::new(LEASE_PROTOCOL_NAME);
 
-/// From now on this process opens lease streams lazily: a request leaves right behind
-/// its stream's protocol proposal instead of waiting a round trip for the provider to
-/// confirm it (multistream-select's `V1Lazy`, which every listener understands; the
-/// vendored crate's one change, see vendor/README.md). Safe for this protocol because
-/// its dialer always reads the reply before it lets the stream go. A peer that does not
-/// serve the protocol then fails the request as an I/O error on the reply, not as an
-/// unsupported protocol: every gpunode node serves it.
-pub fn negotiate_lease_streams_lazily() {
+/// The lease protocol's request-response behaviour, one per swarm. Building it also
+/// makes this process open lease streams lazily: a request leaves right behind its
+/// stream's protocol proposal instead of waiting a round trip for the provider to
+/// confirm the protocol (multistream-select's `V1Lazy`, which every listener
+/// understands; the vendored crate's one change, see vendor/README.md). That is safe
+/// here because a lease request's dialer always reads the reply before it lets the
+/// stream go.
+pub fn lease_behaviour() -> request_response::Behaviour<LeaseCodec> {
     multistream_select::negotiate_lazily(LEASE_PROTOCOL_NAME);
+    request_response::Behaviour::with_codec(
+        LeaseCodec,
+        [(LEASE_PROTOCOL, request_response::ProtocolSupport::Full)],
+        request_response::Config::default()
+            .with_request_timeout(Duration::from_secs(10))
+            .with_max_concurrent_streams(256),
+    )
+}
+
+/// Whether a lease message failed because the peer does not serve the lease protocol.
+/// With lazy negotiation that shows as an I/O error on the reply, carrying
+/// multistream-select's negotiation error, not as `UnsupportedProtocols`. Either way it
+/// is no failure of the connection, and sending again would be refused again.
+pub fn refused_protocol(error: &request_response::OutboundFailure) -> bool {
+    match error {
+        request_response::OutboundFailure::UnsupportedProtocols => true,
+        request_response::OutboundFailure::Io(e) => e
+            .get_ref()
+            .is_some_and(|inner| inner.is::<multistream_select::NegotiationError>()),
+        _ => false,
+    }
 }
 
 /// A request as read from (or written to) the wire.
@@ -139,12 +162,13 @@ mod tests {
     use multistream_select::{dialer_select_proto, listener_select_proto, Version};
     use tokio_util::compat::TokioAsyncReadCompatExt;
 
-    /// A lease stream is settled on at once (the request can follow its proposal in the
-    /// same packet), while any other protocol still waits for the listener: without the
-    /// registration, or with it applied to every protocol, this fails.
+    /// Once the lease behaviour exists, a lease stream is settled on at once (the
+    /// request can follow its proposal in the same packet), while any other protocol
+    /// still waits for the listener: without the registration, or with it applied to
+    /// every protocol, this fails.
     #[tokio::test]
     async fn a_lease_stream_does_not_wait_for_the_listener_and_others_do() {
-        negotiate_lease_streams_lazily();
+        let _lease = lease_behaviour();
         let (dialer, _listener) = tokio::io::duplex(4096);
         let lease = dialer_select_proto(dialer.compat(), [LEASE_PROTOCOL_NAME], Version::V1);
         let (protocol, _) = lease
@@ -175,10 +199,11 @@ mod tests {
 
     /// Against a listener that negotiates as every libp2p node does (an older gpunode
     /// too), the request sent before the confirmation arrives whole and the reply comes
-    /// back; a listener that does not serve the protocol fails the dialer's read.
+    /// back; a listener that does not serve the protocol fails the dialer's read with an
+    /// error the loop tells from a failed connection.
     #[tokio::test]
     async fn a_lazily_opened_lease_stream_carries_request_and_reply() {
-        negotiate_lease_streams_lazily();
+        let _lease = lease_behaviour();
         let (dialer, listener) = tokio::io::duplex(4096);
         let provider = tokio::spawn(async move {
             let (protocol, mut io) =
@@ -208,10 +233,17 @@ mod tests {
         });
         let mut io = request_sent(dialer).await;
         let mut reply = Vec::new();
-        assert!(
-            io.read_to_end(&mut reply).await.is_err(),
-            "a refused lease stream read as a reply"
-        );
+        let refused = io
+            .read_to_end(&mut reply)
+            .await
+            .expect_err("a refused lease stream read as a reply");
+        assert!(refused_protocol(&request_response::OutboundFailure::Io(
+            refused
+        )));
+        let reset = std::io::Error::from(std::io::ErrorKind::ConnectionReset);
+        assert!(!refused_protocol(&request_response::OutboundFailure::Io(
+            reset
+        )));
         drop(io);
         refuser.await.expect("listener task");
     }

@@ -31,8 +31,8 @@ use candidates::{describe, Candidate};
 pub use offers::{check_offer, describe_place, rank, REPUTATION_FLOOR};
 #[cfg(test)]
 pub(crate) use propose::foreseen_terms;
-pub(crate) use propose::granted_signature;
-pub use propose::ProviderAdvert;
+pub(crate) use propose::proposal_outcome;
+pub use propose::{Proposal, ProviderAdvert};
 
 /// Why one provider did not grant a lease.
 enum NotGranted {
@@ -399,14 +399,14 @@ impl Negotiator {
             Ok(s) => s,
             Err(e) => return Ok(Proposed::Decided(Err(NotGranted::Refused(e.to_string())))),
         };
-        let message = LeaseMessage::Propose {
+        let proposal = Proposal {
             request: req.clone(),
             terms: terms.clone(),
             requester_sig,
         };
         let answer = self
             .retrying(peer, addrs.clone(), |addrs| {
-                Box::pin(self.client.propose_lease(peer, addrs, message.clone()))
+                Box::pin(self.client.propose_lease(peer, addrs, proposal.clone()))
             })
             .await?;
         let answer = match answer {
@@ -724,6 +724,22 @@ mod tests {
     async fn negotiate_against(
         answer: impl Fn(&LeaseMessage) -> LeaseReply + Send + 'static,
     ) -> (Result<LeaseView, LeaseError>, Vec<LeaseMessage>, usize) {
+        negotiate_recording(answer, record_in).await
+    }
+
+    /// As [`negotiate_against`], with the requester's leases stored by `store` (the
+    /// count is of those it stored).
+    async fn negotiate_recording(
+        answer: impl Fn(&LeaseMessage) -> LeaseReply + Send + 'static,
+        store: impl Fn(
+                &mut crate::lease::LeaseBook,
+                LeaseTerms,
+                Vec<u8>,
+                Vec<u8>,
+            ) -> Result<crate::lease::LeaseRecord, crate::lease::LeaseOpError>
+            + Send
+            + 'static,
+    ) -> (Result<LeaseView, LeaseError>, Vec<LeaseMessage>, usize) {
         let (tx, mut rx) = mpsc::channel(8);
         let key = Keypair::generate_ed25519();
         let me = key.public().to_peer_id();
@@ -751,37 +767,29 @@ mod tests {
                         let _ = reply.send(Ok(answer(&message)));
                         sent.push(*message);
                     }
-                    // As the real loop does: a grant of the proposed terms that
-                    // verifies is recorded, anything else goes back as it came.
+                    // As the real loop does (`proposal_outcome`): a grant of the
+                    // proposed terms that verifies is recorded, anything else goes
+                    // back as it came.
                     Command::ProposeLease {
                         peer,
-                        message,
+                        proposal,
                         reply,
                         ..
                     } => {
-                        let LeaseMessage::Propose {
-                            terms,
-                            requester_sig,
-                            ..
-                        } = &*message
-                        else {
-                            panic!("proposed {message:?}");
-                        };
-                        let answer = answer(&message);
-                        let outcome = match granted_signature(&peer, terms, &answer) {
-                            Some(provider_sig) => {
-                                recorded += 1;
-                                ProposalReply::Recorded(record_in(
-                                    &mut book,
-                                    terms.clone(),
-                                    provider_sig,
-                                    requester_sig.clone(),
-                                ))
-                            }
-                            None => ProposalReply::Answered(answer),
-                        };
+                        let message = proposal.message();
+                        let outcome = proposal_outcome(
+                            &peer,
+                            &peer,
+                            *proposal,
+                            answer(&message),
+                            |t, p, r| {
+                                let stored = store(&mut book, t, p, r);
+                                recorded += usize::from(stored.is_ok());
+                                stored
+                            },
+                        );
                         let _ = reply.send(Ok(outcome));
-                        sent.push(*message);
+                        sent.push(message);
                     }
                     Command::RecordLease {
                         terms,
@@ -789,9 +797,9 @@ mod tests {
                         requester_sig,
                         reply,
                     } => {
-                        recorded += 1;
-                        let _ =
-                            reply.send(record_in(&mut book, *terms, provider_sig, requester_sig));
+                        let stored = store(&mut book, *terms, provider_sig, requester_sig);
+                        recorded += usize::from(stored.is_ok());
+                        let _ = reply.send(stored);
                     }
                     other => panic!("unexpected command {other:?}"),
                 }
@@ -860,10 +868,15 @@ mod tests {
         let err = result.expect_err("a forged grant");
         assert!(err.to_string().contains("signature"), "{err}");
         assert_eq!(recorded, 0);
+        assert_withdrawn(&sent);
+    }
+
+    /// `sent` is a proposal, then the requester's signed cancellation of its lease.
+    fn assert_withdrawn(sent: &[LeaseMessage]) {
         let [LeaseMessage::Propose { terms, .. }, LeaseMessage::Cancel {
             cancellation,
             signature,
-        }] = &sent[..]
+        }] = sent
         else {
             panic!("expected the proposal and a cancellation, sent {sent:?}");
         };
@@ -872,6 +885,31 @@ mod tests {
         cancellation
             .verify(signature)
             .expect("signed by the requester");
+    }
+
+    /// A grant the requester cannot record (its store fails) is not a lease: the
+    /// negotiation fails with the store's error and the provider is told, with the
+    /// requester's signature, to let the lease go.
+    #[tokio::test]
+    async fn a_grant_that_cannot_be_recorded_is_withdrawn() {
+        let (result, sent, recorded) = negotiate_recording(
+            |m| match m {
+                LeaseMessage::Propose { terms, .. } => LeaseReply::Granted {
+                    lease_id: terms.lease_id,
+                    provider_sig: terms.sign(provider_key()).unwrap(),
+                },
+                LeaseMessage::Cancel { cancellation, .. } => LeaseReply::Cancelled {
+                    lease_id: cancellation.lease_id,
+                },
+                other => panic!("unexpected {other:?}"),
+            },
+            |_, _, _, _| Err(crate::lease::LeaseOpError::Store("disk full".into())),
+        )
+        .await;
+        let err = result.expect_err("nothing recorded");
+        assert!(err.to_string().contains("disk full"), "{err}");
+        assert_eq!(recorded, 0);
+        assert_withdrawn(&sent);
     }
 
     /// A provider that predates proposals refuses one as malformed: the requester

@@ -9,11 +9,14 @@
 use gpunode_protocol::advert::{AdvertGpu, OfferFilter};
 use gpunode_protocol::gpu::GpuState;
 use gpunode_protocol::lease::{
-    proposal_lease_id, LeaseReply, LeaseRequest, LeaseTerms, LeasedGpu, LEASE_VERSION,
-    PROPOSAL_START_LEAD_MS,
+    proposal_lease_id, LeaseMessage, LeaseReply, LeaseRequest, LeaseTerms, LeasedGpu,
+    LEASE_VERSION, PROPOSAL_START_LEAD_MS,
 };
 use gpunode_protocol::time::UnixMillis;
 use gpunode_protocol::PeerId;
+
+use crate::lease::{LeaseOpError, LeaseRecord};
+use crate::loop_client::ProposalReply;
 
 /// What a provider's newest verified advert says that a lease's terms depend on.
 #[derive(Debug, Clone, PartialEq)]
@@ -101,14 +104,56 @@ pub(crate) fn foreseen_terms(
     })
 }
 
+/// A proposal as this node sends it: the request, the terms it foresaw and its own
+/// signature over them ([`LeaseMessage::Propose`]).
+///
+/// [`LeaseMessage::Propose`]: gpunode_protocol::lease::LeaseMessage::Propose
+#[derive(Debug, Clone)]
+pub struct Proposal {
+    /// The request.
+    pub request: LeaseRequest,
+    /// The terms foreseen.
+    pub terms: LeaseTerms,
+    /// This node's signature over `terms`.
+    pub requester_sig: Vec<u8>,
+}
+
+impl Proposal {
+    /// The message that carries it.
+    pub fn message(&self) -> LeaseMessage {
+        LeaseMessage::Propose {
+            request: self.request.clone(),
+            terms: self.terms.clone(),
+            requester_sig: self.requester_sig.clone(),
+        }
+    }
+}
+
+/// What becomes of `proposal`, sent to `proposed_to`, when `answered_by` answers it
+/// with `answer`: a grant of exactly the proposed terms, from the peer it went to, under
+/// their id and signed by that peer over them, is recorded with `record` (the lease
+/// with both signatures); any other answer is given back as it came, for the negotiator
+/// to judge. The requester's event loop decides with this as the answer arrives.
+pub(crate) fn proposal_outcome(
+    proposed_to: &PeerId,
+    answered_by: &PeerId,
+    proposal: Proposal,
+    answer: LeaseReply,
+    record: impl FnOnce(LeaseTerms, Vec<u8>, Vec<u8>) -> Result<LeaseRecord, LeaseOpError>,
+) -> ProposalReply {
+    let from_the_provider = answered_by == proposed_to && proposal.terms.provider == *proposed_to;
+    match granted_signature(proposed_to, &proposal.terms, &answer) {
+        Some(provider_sig) if from_the_provider => {
+            ProposalReply::Recorded(record(proposal.terms, provider_sig, proposal.requester_sig))
+        }
+        _ => ProposalReply::Answered(answer),
+    }
+}
+
 /// The provider's signature when `reply` grants the proposed `terms` as they are: under
 /// their id, signed by `provider` over exactly those terms. Nothing for any other reply
 /// (an offer, a refusal, or a grant that must not be taken).
-pub(crate) fn granted_signature(
-    provider: &PeerId,
-    terms: &LeaseTerms,
-    reply: &LeaseReply,
-) -> Option<Vec<u8>> {
+fn granted_signature(provider: &PeerId, terms: &LeaseTerms, reply: &LeaseReply) -> Option<Vec<u8>> {
     match reply {
         LeaseReply::Granted {
             lease_id,
@@ -308,5 +353,43 @@ mod tests {
             provider_sig: terms.sign(&provider).unwrap(),
         };
         assert_eq!(granted_signature(&pid, &terms, &offer), None);
+
+        // The loop's decision: only the peer the proposal went to can have it recorded.
+        let proposal = Proposal {
+            request: request(&requester, 0, None),
+            terms: terms.clone(),
+            requester_sig: terms.sign(&requester).unwrap(),
+        };
+        let granted = grant(terms.lease_id, terms.sign(&provider).unwrap());
+        let outcome = |answered_by: &PeerId| {
+            let mut recorded = None;
+            let reply = proposal_outcome(
+                &pid,
+                answered_by,
+                proposal.clone(),
+                granted.clone(),
+                |t, p, r| {
+                    recorded = Some((t, p, r));
+                    Err(LeaseOpError::Store("not kept in this test".into()))
+                },
+            );
+            (reply, recorded)
+        };
+        let (reply, recorded) = outcome(&pid);
+        assert!(
+            matches!(reply, ProposalReply::Recorded(Err(_))),
+            "{reply:?}"
+        );
+        let (t, p, r) = recorded.expect("recorded");
+        assert_eq!(t, terms);
+        t.verify(&pid, &p).expect("the provider's signature");
+        t.verify(&requester.public().to_peer_id(), &r)
+            .expect("the requester's signature");
+        let (reply, recorded) = outcome(&stranger);
+        assert!(recorded.is_none());
+        assert!(
+            matches!(&reply, ProposalReply::Answered(a) if *a == granted),
+            "{reply:?}"
+        );
     }
 }
