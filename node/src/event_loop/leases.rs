@@ -2,7 +2,9 @@
 //! decides; the loop carries out what it says (store writes, jobs stopped, settlement,
 //! republishing), and replies that bind (activated, granted, renewed, cancelled) wait
 //! until one flush has made a whole batch durable (group commit), while offers and
-//! refusals leave at once; outbound messages are routed back to their callers.
+//! refusals leave at once; answers to outbound messages are routed back to their
+//! callers, except a grant of this node's own proposal, which is checked and recorded
+//! here as it arrives ([`crate::lease::negotiate::proposal_outcome`]).
 
 use gpunode_protocol::lease::{LeaseMessage, LeaseReply, RejectCode, Rejection};
 use gpunode_protocol::time::now_ms;
