@@ -284,6 +284,9 @@ pub struct LeaseReport {
     pub leases_per_s: f64,
     /// Leases that failed during the throughput run.
     pub failures: usize,
+    /// Receipts the provider settled per second during the throughput run (each lease
+    /// that ends is settled: claimed, countersigned and written on both sides).
+    pub receipts_settled_per_s: f64,
     /// Whether the requesters' stores were on disk too (else in memory).
     pub durable_requesters: bool,
 }
@@ -336,7 +339,10 @@ pub async fn lease(
         times.push(t.elapsed().as_secs_f64() * 1000.0);
     }
     times.sort_by(f64::total_cmp);
+    let accounts = net.provider(0).handle.accounts();
+    let settled_before = accounts.ledger.head().seq;
     let (ok, failed, elapsed) = lease_flood(&clients, &spec, seconds).await?;
+    let settled = accounts.ledger.head().seq - settled_before;
     let report = LeaseReport {
         round_trips,
         median_ms: percentile(&times, 0.5),
@@ -344,6 +350,7 @@ pub async fn lease(
         requesters: clients.len(),
         leases_per_s: ok as f64 / elapsed,
         failures: failed,
+        receipts_settled_per_s: settled as f64 / elapsed,
         durable_requesters,
     };
     net.shutdown().await;

@@ -422,6 +422,89 @@ mod accounts_tests {
         run.stop().await;
     }
 
+    /// A lease `me` provided to `requester` that ended as `state`.
+    fn provided(
+        me: &Keypair,
+        requester: PeerId,
+        n: u8,
+        state: crate::lease::LeaseState,
+    ) -> crate::lease::LeaseRecord {
+        use gpunode_protocol::lease::{LeaseTerms, LEASE_VERSION};
+        let terms = LeaseTerms {
+            version: LEASE_VERSION,
+            lease_id: LeaseId([n; 16]),
+            provider: me.public().to_peer_id(),
+            requester,
+            gpus: Vec::new(),
+            cpus: 1,
+            mem_bytes: 1 << 20,
+            backend: "wasm".into(),
+            start_ms: 100_000,
+            end_ms: 102_000,
+            price_per_gpu_hour_millicredits: 0,
+            request_nonce: n.into(),
+            offer_expires_ms: 101_000,
+        };
+        crate::lease::LeaseRecord {
+            signed_end_ms: terms.end_ms,
+            provider_sig: Vec::new(),
+            requester_sig: Some(Vec::new()),
+            renewals: Vec::new(),
+            role: crate::lease::LeaseRole::Provider,
+            state,
+            updated_ms: 101_500,
+            terms,
+        }
+    }
+
+    /// Claims for leases that ran to their end wait for company (at most `LINGER`);
+    /// a claim for a lease ended early is due at once and takes the waiting ones along,
+    /// and when more wait than one message carries, the due ones go first.
+    #[tokio::test(start_paused = true)]
+    async fn claims_of_leases_that_ran_out_linger_and_an_early_end_sends_them_all() {
+        use crate::lease::LeaseState::{Cancelled, Completed};
+        use crate::ledger::claims::LINGER;
+        let run = Running::start();
+        let (accounts, me) = (&run.accounts, &run.me);
+        let (requester, other) = (PeerId::random(), PeerId::random());
+        let start = tokio::time::Instant::now();
+        accounts.make_claims(&[provided(me, requester, 1, Completed)]);
+        tokio::time::advance(LINGER / 2).await;
+        accounts.make_claims(&[
+            provided(me, requester, 2, Completed),
+            provided(me, other, 3, Completed),
+        ]);
+        let (due, next) = accounts.due_peers(tokio::time::Instant::now());
+        assert!(due.is_empty(), "nothing due yet: {due:?}");
+        assert_eq!(next, Some(start + LINGER), "the oldest claim sets the time");
+
+        tokio::time::advance(LINGER / 2).await;
+        let (due, next) = accounts.due_peers(tokio::time::Instant::now());
+        assert_eq!(due, vec![requester], "its first claim is due");
+        assert_eq!(
+            next,
+            Some(start + LINGER + LINGER / 2),
+            "the other's is later"
+        );
+        assert_eq!(accounts.waiting_claims(&requester, 10).len(), 2, "both go");
+
+        // A lease ended early: its claim is due now, and with one claim to a message it
+        // is the one sent.
+        accounts.make_claims(&[provided(me, other, 4, Cancelled)]);
+        let (mut due, _) = accounts.due_peers(tokio::time::Instant::now());
+        due.sort();
+        let mut both = vec![requester, other];
+        both.sort();
+        assert_eq!(due, both);
+        let first = accounts.waiting_claims(&other, 1);
+        assert_eq!(
+            first.iter().map(|c| c.receipt.lease_id).collect::<Vec<_>>(),
+            vec![LeaseId([4; 16])]
+        );
+        assert_eq!(accounts.waiting_claims(&other, 10).len(), 2);
+        run.stop().await;
+    }
+
     #[test]
     fn refused_receipts_are_bounded_oldest_first() {
         let mut r = RefusedReceipts::default();

@@ -3,8 +3,10 @@
 //! requester's checks and countersignatures of claims it receives
 //! ([`Accounts::answer_claims`]).
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::time::Duration;
+
+use tokio::time::Instant;
 
 use gpunode_protocol::encoding;
 use gpunode_protocol::lease::LeaseId;
@@ -62,22 +64,70 @@ impl StoredClaim {
     }
 }
 
+/// How long a claim for a lease that ran to its end may wait for others to the same
+/// requester, so that one settlement exchange carries many: nobody waits for such a
+/// receipt (a requester that waits, as `gpunode run` does, ends its lease first, and the
+/// claim of a lease ended early goes at once, with whatever waits beside it). Each
+/// exchange costs both sides a stream, a signed ledger head and a durable write however
+/// many claims it carries.
+pub(super) const LINGER: Duration = Duration::from_millis(100);
+
 /// Unsettled claims, indexed for the questions asked on every lease request and every
-/// settlement round: what a peer owes, and which claims wait for an answer.
+/// settlement round: what a peer owes, and which claims wait for an answer and by when
+/// each should be sent.
 #[derive(Debug, Default)]
 pub(super) struct ClaimBook {
     pub(super) by_lease: HashMap<LeaseId, StoredClaim>,
     pub(super) owed: HashMap<PeerId, u64>,
-    pub(super) waiting: HashMap<PeerId, std::collections::BTreeSet<LeaseId>>,
+    /// Per requester, its claims waiting for an answer.
+    pub(super) waiting: HashMap<PeerId, Waiting>,
+}
+
+/// One requester's claims waiting for an answer, by lease and by when each is to be
+/// sent.
+#[derive(Debug, Default)]
+pub(super) struct Waiting {
+    send_by: HashMap<LeaseId, Instant>,
+    in_order: BTreeSet<(Instant, LeaseId)>,
+}
+
+impl Waiting {
+    fn insert(&mut self, id: LeaseId, at: Instant) {
+        self.remove(&id);
+        self.send_by.insert(id, at);
+        self.in_order.insert((at, id));
+    }
+
+    fn remove(&mut self, id: &LeaseId) {
+        if let Some(at) = self.send_by.remove(id) {
+            self.in_order.remove(&(at, *id));
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.send_by.is_empty()
+    }
+
+    /// When the soonest is to be sent.
+    fn due(&self) -> Option<Instant> {
+        self.in_order.first().map(|(at, _)| *at)
+    }
 }
 
 impl ClaimBook {
+    /// Keeps `claim`, to be sent at once.
     pub(super) fn insert(&mut self, id: LeaseId, claim: StoredClaim) {
+        self.insert_due(id, claim, Instant::now());
+    }
+
+    /// Keeps `claim`, to be sent by `send_by` (or with another claim to its requester
+    /// that is due before).
+    pub(super) fn insert_due(&mut self, id: LeaseId, claim: StoredClaim, send_by: Instant) {
         self.remove(&id);
         let peer = claim.claim.receipt.requester;
         *self.owed.entry(peer).or_default() += claim.claim.receipt.amount_millicredits;
         if claim.disputed.is_none() {
-            self.waiting.entry(peer).or_default().insert(id);
+            self.waiting.entry(peer).or_default().insert(id, send_by);
         }
         self.by_lease.insert(id, claim);
     }
@@ -99,6 +149,19 @@ impl ClaimBook {
                 self.waiting.remove(&peer);
             }
         }
+    }
+
+    /// Up to `n` of `peer`'s waiting claims, those due soonest first.
+    fn to_send(&self, peer: &PeerId, n: usize) -> Vec<Claim> {
+        let Some(waiting) = self.waiting.get(peer) else {
+            return Vec::new();
+        };
+        waiting
+            .in_order
+            .iter()
+            .take(n)
+            .filter_map(|(_, id)| self.by_lease.get(id).map(|c| c.claim.clone()))
+            .collect()
     }
 
     pub(super) fn contains_key(&self, id: &LeaseId) -> bool {
@@ -159,7 +222,12 @@ impl Accounts {
                 continue;
             }
             made.push(stored.claim.clone());
-            self.claims().insert(id, stored);
+            // A lease that ran to its end: nobody waits for its receipt.
+            let send_by = match record.state {
+                LeaseState::Completed => Instant::now() + LINGER,
+                _ => Instant::now(),
+            };
+            self.claims().insert_due(id, stored, send_by);
         }
         if !made.is_empty() {
             if let Err(e) = self.store.flush() {
@@ -225,23 +293,25 @@ impl Accounts {
         }
     }
 
-    /// Requesters with claims waiting for an answer.
-    pub(super) fn waiting_peers(&self) -> Vec<PeerId> {
-        self.claims().waiting.keys().copied().collect()
+    /// Requesters whose waiting claims are due by `now`, and when the next of the others
+    /// is.
+    pub(super) fn due_peers(&self, now: Instant) -> (Vec<PeerId>, Option<Instant>) {
+        let book = self.claims();
+        let mut due = Vec::new();
+        let mut next: Option<Instant> = None;
+        for (peer, waiting) in &book.waiting {
+            match waiting.due() {
+                Some(at) if at <= now => due.push(*peer),
+                Some(at) => next = Some(next.map_or(at, |n| n.min(at))),
+                None => {}
+            }
+        }
+        (due, next)
     }
 
-    /// Up to `n` claims waiting for `peer`'s answer.
+    /// Up to `n` claims waiting for `peer`'s answer, those due soonest first.
     pub(super) fn waiting_claims(&self, peer: &PeerId, n: usize) -> Vec<Claim> {
-        let book = self.claims();
-        book.waiting
-            .get(peer)
-            .map(|ids| {
-                ids.iter()
-                    .take(n)
-                    .filter_map(|id| book.by_lease.get(id).map(|c| c.claim.clone()))
-                    .collect()
-            })
-            .unwrap_or_default()
+        self.claims().to_send(peer, n)
     }
 
     /// Provider side: the requester's answers to `claims`.

@@ -4,7 +4,9 @@
 //! Provider side: when a lease it provided ends, [`Accounts::make_claims`] writes a
 //! receipt from the metered usage, signs it and keeps it as a claim (durably, so a crash
 //! resends the very same receipt); [`run_claims`] sends claims to each requester in
-//! batches and appends the countersigned ones to the ledger. Claims a requester refuses
+//! batches and appends the countersigned ones to the ledger. The claim of a lease that
+//! ran to its end waits up to [`super::claims::LINGER`] for others to the same
+//! requester; any other goes at once. Claims a requester refuses
 //! stay as disputed claims: they count as its debt and cost it reputation; claims it does
 //! not answer are retried with backoff. A claim known to be coming (a one-job lease whose
 //! outputs are out) finds its stream already open and negotiated ([`StreamsAhead`]).
@@ -217,7 +219,15 @@ pub async fn run_claims(
     let mut backoff: HashMap<PeerId, (tokio::time::Instant, Duration)> = HashMap::new();
     let mut sweep = tokio::time::interval(SWEEP_EVERY);
     let mut retry = tokio::time::interval(Duration::from_secs(1));
+    // When the next lingering claim falls due.
+    let mut next_due: Option<tokio::time::Instant> = None;
     loop {
+        let lingering = async {
+            match next_due {
+                Some(at) => tokio::time::sleep_until(at).await,
+                None => std::future::pending().await,
+            }
+        };
         tokio::select! {
             rec = ended.recv() => match rec {
                 Some(first) => {
@@ -256,10 +266,13 @@ pub async fn run_claims(
                 }
             }
             _ = retry.tick() => {}
+            _ = lingering => {}
             _ = stop.changed() => return,
         }
         let now = tokio::time::Instant::now();
-        for peer in accounts.waiting_peers() {
+        let (due, next) = accounts.due_peers(now);
+        next_due = next;
+        for peer in due {
             if in_flight.contains(&peer) || backoff.get(&peer).is_some_and(|(at, _)| *at > now) {
                 continue;
             }
