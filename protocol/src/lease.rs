@@ -208,8 +208,12 @@ impl LeaseTerms {
 
     /// Checks `signature` by `signer` over these terms.
     pub fn verify(&self, signer: &PeerId, signature: &[u8]) -> Result<(), SignatureError> {
-        let key = public_key_of(signer)?;
-        signing::verify(&key, LEASE_SIGNING_TAG, &self.canonical_bytes(), signature)
+        signing::verify_by(
+            signer,
+            LEASE_SIGNING_TAG,
+            &self.canonical_bytes(),
+            signature,
+        )
     }
 
     /// Most the lease can cost, thousandths of a credit: price x GPUs x hours (a lease
@@ -241,8 +245,8 @@ impl Renewal {
 
     /// Checks a signature by `signer`.
     pub fn verify(&self, signer: &PeerId, signature: &[u8]) -> Result<(), SignatureError> {
-        signing::verify(
-            &public_key_of(signer)?,
+        signing::verify_by(
+            signer,
             RENEW_SIGNING_TAG,
             &encoding::encode(self),
             signature,
@@ -269,8 +273,8 @@ impl Cancellation {
 
     /// Checks a signature by `self.by`.
     pub fn verify(&self, signature: &[u8]) -> Result<(), SignatureError> {
-        signing::verify(
-            &public_key_of(&self.by)?,
+        signing::verify_by(
+            &self.by,
             CANCEL_SIGNING_TAG,
             &encoding::encode(self),
             signature,

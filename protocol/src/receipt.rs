@@ -20,7 +20,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::encoding;
 use crate::job::JobFile;
-use crate::lease::{public_key_of, LeaseId};
+use crate::lease::LeaseId;
 use crate::signing::{self, SignatureError};
 use crate::time::UnixMillis;
 
@@ -214,8 +214,8 @@ impl UsageReceipt {
 
     /// Checks `signature` by `signer` over this receipt.
     pub fn verify(&self, signer: &PeerId, signature: &[u8]) -> Result<(), SignatureError> {
-        signing::verify(
-            &public_key_of(signer)?,
+        signing::verify_by(
+            signer,
             RECEIPT_SIGNING_TAG,
             &self.canonical_bytes(),
             signature,

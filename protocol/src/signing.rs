@@ -90,8 +90,79 @@ pub fn verify(
     }
 }
 
+/// Verifies `signature` by `signer` over `tag || body`, under the rule of [`verify`],
+/// with `signer`'s key taken from the id itself as [`public_key_of`] does. The key's
+/// decoded form is kept (for the last [`MAX_CACHED_KEYS`] signers or fewer), so a peer
+/// that signs often costs one key decoding, not one per signature.
+pub fn verify_by(
+    signer: &PeerId,
+    tag: &[u8],
+    body: &[u8],
+    signature: &[u8],
+) -> Result<(), SignatureError> {
+    let Some(key) = cached_key(signer) else {
+        // Not an ed25519 key, or not a usable one: the uncached check says why.
+        return verify(&public_key_of(signer)?, tag, body, signature);
+    };
+    if verify_ed25519_point(&key, tag, body, signature) {
+        Ok(())
+    } else {
+        Err(SignatureError::BadSignature)
+    }
+}
+
+/// Most signers' keys kept decoded by [`verify_by`]; when full, it starts afresh.
+pub const MAX_CACHED_KEYS: usize = 4096;
+
+/// Keys decoded by [`verify_by`], by signer.
+static KEYS: std::sync::LazyLock<std::sync::Mutex<std::collections::HashMap<PeerId, CachedKey>>> =
+    std::sync::LazyLock::new(Default::default);
+
+/// `peer`'s ed25519 key decoded, from the cache or decoded now (and kept); `None` for
+/// an id without an ed25519 key or with a small-order one (never kept).
+fn cached_key(peer: &PeerId) -> Option<CachedKey> {
+    let mut keys = KEYS.lock().unwrap_or_else(|p| p.into_inner());
+    key_kept_in(&mut keys, peer, MAX_CACHED_KEYS)
+}
+
+/// `peer`'s key from `keys`, or decoded and kept there, which never holds more than
+/// `most` keys.
+fn key_kept_in(
+    keys: &mut std::collections::HashMap<PeerId, CachedKey>,
+    peer: &PeerId,
+    most: usize,
+) -> Option<CachedKey> {
+    if let Some(k) = keys.get(peer) {
+        return Some(k.clone());
+    }
+    let key = CachedKey::of(peer)?;
+    if keys.len() >= most {
+        keys.clear();
+    }
+    keys.insert(*peer, key.clone());
+    Some(key)
+}
+
 /// One ed25519 signature under the rule of [`verify`].
 fn verify_ed25519(key: &[u8; 32], tag: &[u8], body: &[u8], signature: &[u8]) -> bool {
+    use curve25519_dalek::edwards::CompressedEdwardsY;
+
+    let Some(point) = CompressedEdwardsY(*key).decompress() else {
+        return false;
+    };
+    if point.is_small_order() {
+        return false;
+    }
+    let key = CachedKey {
+        compressed: *key,
+        point,
+    };
+    verify_ed25519_point(&key, tag, body, signature)
+}
+
+/// One ed25519 signature under the rule of [`verify`], by a key already decoded and
+/// checked not to be of small order.
+fn verify_ed25519_point(key: &CachedKey, tag: &[u8], body: &[u8], signature: &[u8]) -> bool {
     use curve25519_dalek::edwards::{CompressedEdwardsY, EdwardsPoint};
     use curve25519_dalek::traits::IsIdentity;
     use curve25519_dalek::Scalar;
@@ -100,13 +171,12 @@ fn verify_ed25519(key: &[u8; 32], tag: &[u8], body: &[u8], signature: &[u8]) -> 
     let Ok(sig) = <&[u8; 64]>::try_from(signature) else {
         return false;
     };
-    let Some(a) = CompressedEdwardsY(*key).decompress() else {
-        return false;
-    };
+    let a = key.point;
+    let key = &key.compressed;
     let Some(r) = CompressedEdwardsY(sig[..32].try_into().unwrap_or([0; 32])).decompress() else {
         return false;
     };
-    if a.is_small_order() || r.is_small_order() {
+    if r.is_small_order() {
         return false;
     }
     let s: Option<Scalar> =
@@ -214,9 +284,27 @@ fn verify_in_batches(items: &[BatchItem<'_>], batch: usize) -> Result<(), usize>
 }
 
 /// A signer's key in the forms verification needs.
+#[derive(Clone)]
 struct CachedKey {
     compressed: [u8; 32],
     point: curve25519_dalek::EdwardsPoint,
+}
+
+impl CachedKey {
+    /// `peer`'s ed25519 key, decoded; `None` for an id without one, or with a key of
+    /// small order (which would verify forged signatures).
+    fn of(peer: &PeerId) -> Option<CachedKey> {
+        let compressed = public_key_of(peer)
+            .ok()?
+            .try_into_ed25519()
+            .ok()?
+            .to_bytes();
+        let point = curve25519_dalek::edwards::CompressedEdwardsY(compressed).decompress()?;
+        if point.is_small_order() {
+            return None;
+        }
+        Some(CachedKey { compressed, point })
+    }
 }
 
 #[derive(Default)]
@@ -231,19 +319,7 @@ impl KeyCache {
         if let Some(i) = self.index.get(peer) {
             return *i;
         }
-        let key = public_key_of(peer)
-            .ok()
-            .and_then(|k| k.try_into_ed25519().ok())
-            .and_then(|k| {
-                let compressed = k.to_bytes();
-                let point =
-                    curve25519_dalek::edwards::CompressedEdwardsY(compressed).decompress()?;
-                // A small-order key would verify forged signatures.
-                if point.is_small_order() {
-                    return None;
-                }
-                Some(CachedKey { compressed, point })
-            });
+        let key = CachedKey::of(peer);
         let i = key.map(|k| {
             self.keys.push(k);
             self.keys.len() - 1
@@ -424,6 +500,73 @@ mod tests {
             signature: &sig,
         };
         assert_eq!(verify_batch(&[item]), Err(0));
+    }
+
+    /// The check by signer id, with its kept keys, gives the answers of the check by
+    /// key, the first time and after; a small-order key is refused and never kept; and
+    /// the kept keys stay within their bound.
+    #[test]
+    fn checks_by_signer_id_agree_with_checks_by_key_and_keep_few_keys() {
+        let k = Keypair::generate_ed25519();
+        let peer = k.public().to_peer_id();
+        let other = Keypair::generate_ed25519().public().to_peer_id();
+        let sig = sign(&k, b"t1", b"body").expect("sign");
+        for _ in 0..2 {
+            assert_eq!(verify_by(&peer, b"t1", b"body", &sig), Ok(()));
+            assert_eq!(
+                verify_by(&peer, b"t2", b"body", &sig),
+                Err(SignatureError::BadSignature)
+            );
+            assert_eq!(
+                verify_by(&peer, b"t1", b"bodY", &sig),
+                Err(SignatureError::BadSignature)
+            );
+            assert_eq!(
+                verify_by(&other, b"t1", b"body", &sig),
+                Err(SignatureError::BadSignature)
+            );
+            assert_eq!(
+                verify_by(&peer, b"t1", b"body", b"short"),
+                Err(SignatureError::BadSignature)
+            );
+        }
+        // Not an ed25519 id at all.
+        let hashed = PeerId::random();
+        assert_eq!(
+            verify_by(&hashed, b"t1", b"body", &sig),
+            Err(SignatureError::BadPublicKey)
+        );
+
+        // The identity point as key with R = identity, s = 0 verifies any message
+        // without the small-order checks.
+        let mut identity = [0u8; 32];
+        identity[0] = 1;
+        let weak: PublicKey = libp2p_identity::ed25519::PublicKey::try_from_bytes(&identity)
+            .expect("dalek decodes the identity point")
+            .into();
+        let weak_peer = weak.to_peer_id();
+        let mut forged = [0u8; 64];
+        forged[..32].copy_from_slice(&identity);
+        for _ in 0..2 {
+            assert_eq!(
+                verify_by(&weak_peer, b"t", b"body", &forged),
+                Err(SignatureError::BadSignature)
+            );
+        }
+        let mut keys = std::collections::HashMap::new();
+        assert!(key_kept_in(&mut keys, &weak_peer, 2).is_none());
+        assert!(keys.is_empty(), "a small-order key is not kept");
+        // A real key with a small-order R.
+        let mut bad_r = sig.clone();
+        bad_r[..32].copy_from_slice(&identity);
+        assert!(verify_by(&peer, b"t1", b"body", &bad_r).is_err());
+
+        for _ in 0..5 {
+            let p = Keypair::generate_ed25519().public().to_peer_id();
+            assert!(key_kept_in(&mut keys, &p, 2).is_some());
+            assert!(keys.len() <= 2, "{} keys kept", keys.len());
+            assert!(keys.contains_key(&p), "the newest is kept");
+        }
     }
 
     #[test]
