@@ -599,13 +599,15 @@ impl EventLoop {
         }
     }
 
+    /// The timer: what fell due (leases' deadlines, publication, lookups), and once a
+    /// [`TICK`] the upkeep. A busy provider's timer fires at every lease's end, up to
+    /// thousands of times a second, and the upkeep need not run that often.
     fn on_timer(&mut self) {
         let now = Instant::now();
         if now >= self.tick_at {
             self.tick_at = now + TICK;
+            self.upkeep(now);
         }
-        self.enforce_owner_policy();
-        self.watch_gpus();
         self.publish_if_due(now);
         if self
             .desk
@@ -628,6 +630,13 @@ impl EventLoop {
         if self.parked_finds.deadline().is_some_and(|p| p <= now) {
             self.release_parked_finds();
         }
+    }
+
+    /// Once a [`TICK`]: the owner's rule, GPU watch and history, relays, redials and
+    /// the gauges.
+    fn upkeep(&mut self, now: Instant) {
+        self.enforce_owner_policy();
+        self.watch_gpus();
         self.maintain_relays();
         self.close_retired(now);
         if self.connections.is_empty() {

@@ -58,10 +58,16 @@ impl Negotiator {
 
     /// Where to reach `peer` (nothing when connected) and what it advertises, when its
     /// advert is known. A connected peer whose advert this node already verified costs
-    /// no DHT request.
+    /// no DHT request, and one reached so a moment ago not even a question to the loop
+    /// (see `reached`).
     async fn target_of(&self, peer: PeerId) -> (Vec<Multiaddr>, Option<ProviderAdvert>) {
+        let now = tokio::time::Instant::now();
+        if let Some(advert) = self.reached().get(&peer, now) {
+            return (Vec::new(), Some(advert));
+        }
         let (connected, known) = self.client.reach(peer).await.unwrap_or((false, None));
-        if connected && known.is_some() {
+        if let (true, Some(advert)) = (connected, &known) {
+            self.reached().keep(peer, advert.clone(), now);
             return (Vec::new(), known);
         }
         let advert = self

@@ -8,6 +8,7 @@ mod candidates;
 mod held;
 mod offers;
 mod propose;
+mod reached;
 mod recent;
 
 use crate::lease::LeaseSendError;
@@ -108,6 +109,8 @@ pub struct Negotiator {
     peer_id: PeerId,
     /// Searches that led to a lease, reused for a moment (see [`recent`]).
     recent: std::sync::Arc<std::sync::Mutex<recent::RecentSearches>>,
+    /// Named providers reached a moment ago, with their adverts (see [`reached`]).
+    reached: std::sync::Arc<std::sync::Mutex<reached::Reached>>,
     /// Where reused offers get their providers' current reputation (the search's is
     /// what it was then: a provider caught cheating since must not stay first).
     accounts: Option<std::sync::Arc<crate::ledger::accounts::Accounts>>,
@@ -126,6 +129,7 @@ impl Negotiator {
             client,
             keypair,
             recent: Default::default(),
+            reached: Default::default(),
             accounts: None,
         }
     }
@@ -340,13 +344,21 @@ impl Negotiator {
         let offer = match foreseen {
             Some(terms) => {
                 accepting(peer);
-                match self.propose(peer, addrs.clone(), &req, terms).await? {
+                let proposed = self.propose(peer, addrs.clone(), &req, terms).await;
+                if !matches!(proposed, Ok(Proposed::Decided(Ok(_)))) {
+                    // Its advert did not foresee the answer: ask the loop next time.
+                    self.reached().forget(&peer);
+                }
+                match proposed? {
                     Proposed::Decided(view) => return Ok(view),
                     Proposed::Offered(offer) => offer,
                     Proposed::Unheard => self.ask_offer(peer, addrs.clone(), &req).await?,
                 }
             }
-            None => self.ask_offer(peer, addrs.clone(), &req).await?,
+            None => {
+                self.reached().forget(&peer);
+                self.ask_offer(peer, addrs.clone(), &req).await?
+            }
         };
         let (terms, provider_sig) = match offer {
             Ok(offer) => offer,
@@ -366,6 +378,10 @@ impl Negotiator {
             Err(not) => return Ok(Err(not)),
         };
         self.record(terms, provider_sig, requester_sig).await
+    }
+
+    fn reached(&self) -> std::sync::MutexGuard<'_, reached::Reached> {
+        self.reached.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Records a lease both parties signed (the provider's signature checked, ours made
@@ -740,28 +756,14 @@ mod tests {
             + Send
             + 'static,
     ) -> (Result<LeaseView, LeaseError>, Vec<LeaseMessage>, usize) {
-        let (tx, mut rx) = mpsc::channel(8);
-        let key = Keypair::generate_ed25519();
-        let me = key.public().to_peer_id();
-        let negotiator = Negotiator::new(LoopClient::new(tx), key);
-        let mut spec = LeaseSpec::new(0, 60_000);
-        spec.peer = Some(provider_key().public().to_peer_id().to_string());
+        let (negotiator, mut rx, me, spec) = asking_the_fake_provider();
         let fake_loop = tokio::spawn(async move {
             let (mut sent, mut recorded) = (Vec::new(), 0);
-            let mut book = crate::lease::LeaseBook::new(
-                me,
-                crate::lease::LeasePolicy::default(),
-                crate::lease::Capacity::default(),
-            );
+            let mut book = requester_book(me);
             while let Some(command) = rx.recv().await {
                 match command {
                     Command::Reach { reply, .. } => {
-                        let advert = ProviderAdvert {
-                            price: crate::lease::LeasePolicy::default()
-                                .price_per_gpu_hour_millicredits,
-                            gpus: Vec::new(),
-                        };
-                        let _ = reply.send((true, Some(advert)));
+                        let _ = reply.send((true, Some(fake_provider_advert())));
                     }
                     Command::SendLease { message, reply, .. } => {
                         let _ = reply.send(Ok(answer(&message)));
@@ -812,6 +814,35 @@ mod tests {
         (result, sent, recorded)
     }
 
+    /// A negotiator reaching a fake loop (the receiver), its peer id, and a spec that
+    /// names the fake provider (with [`provider_key`]).
+    fn asking_the_fake_provider() -> (Negotiator, mpsc::Receiver<Command>, PeerId, LeaseSpec) {
+        let (tx, rx) = mpsc::channel(8);
+        let key = Keypair::generate_ed25519();
+        let me = key.public().to_peer_id();
+        let negotiator = Negotiator::new(LoopClient::new(tx), key);
+        let mut spec = LeaseSpec::new(0, 60_000);
+        spec.peer = Some(provider_key().public().to_peer_id().to_string());
+        (negotiator, rx, me, spec)
+    }
+
+    /// An empty requester's book for `me`.
+    fn requester_book(me: PeerId) -> crate::lease::LeaseBook {
+        crate::lease::LeaseBook::new(
+            me,
+            crate::lease::LeasePolicy::default(),
+            crate::lease::Capacity::default(),
+        )
+    }
+
+    /// The fake provider's advert: the default price, no GPUs.
+    fn fake_provider_advert() -> ProviderAdvert {
+        ProviderAdvert {
+            price: crate::lease::LeasePolicy::default().price_per_gpu_hour_millicredits,
+            gpus: Vec::new(),
+        }
+    }
+
     /// Records a lease as the requester's loop does, in `book`.
     fn record_in(
         book: &mut crate::lease::LeaseBook,
@@ -828,6 +859,80 @@ mod tests {
     fn provider_key() -> &'static Keypair {
         static KEY: std::sync::OnceLock<Keypair> = std::sync::OnceLock::new();
         KEY.get_or_init(Keypair::generate_ed25519)
+    }
+
+    /// Lease after lease from one named provider asks the loop where it is once, not
+    /// once a lease; after an answer its advert did not foresee (a refusal here), or
+    /// after a second, the loop is asked again.
+    #[tokio::test(start_paused = true)]
+    async fn a_provider_reached_a_moment_ago_is_not_asked_of_the_loop_again() {
+        let (negotiator, mut rx, me, spec) = asking_the_fake_provider();
+        let refuse = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let reaches = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let (refusing, reached) = (refuse.clone(), reaches.clone());
+        tokio::spawn(async move {
+            let mut book = requester_book(me);
+            while let Some(command) = rx.recv().await {
+                match command {
+                    Command::Reach { reply, .. } => {
+                        reached.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                        let _ = reply.send((true, Some(fake_provider_advert())));
+                    }
+                    Command::ProposeLease {
+                        peer,
+                        proposal,
+                        reply,
+                        ..
+                    } => {
+                        let answer = if refusing.load(std::sync::atomic::Ordering::SeqCst) {
+                            LeaseReply::Rejected(gpunode_protocol::lease::Rejection::new(
+                                RejectCode::NoCapacity,
+                                "busy",
+                            ))
+                        } else {
+                            LeaseReply::Granted {
+                                lease_id: proposal.terms.lease_id,
+                                provider_sig: proposal.terms.sign(provider_key()).unwrap(),
+                            }
+                        };
+                        let outcome =
+                            proposal_outcome(&peer, &peer, *proposal, answer, |t, p, r| {
+                                record_in(&mut book, t, p, r)
+                            });
+                        let _ = reply.send(Ok(outcome));
+                    }
+                    other => panic!("unexpected command {other:?}"),
+                }
+            }
+        });
+        let reaches_now = || reaches.load(std::sync::atomic::Ordering::SeqCst);
+        for _ in 0..3 {
+            negotiator
+                .request_lease(spec.clone())
+                .await
+                .expect("granted");
+        }
+        assert_eq!(reaches_now(), 1, "three leases, one question to the loop");
+
+        refuse.store(true, std::sync::atomic::Ordering::SeqCst);
+        negotiator
+            .request_lease(spec.clone())
+            .await
+            .expect_err("refused");
+        assert_eq!(reaches_now(), 1);
+        refuse.store(false, std::sync::atomic::Ordering::SeqCst);
+        negotiator
+            .request_lease(spec.clone())
+            .await
+            .expect("granted");
+        assert_eq!(reaches_now(), 2, "asked again after the refusal");
+
+        tokio::time::advance(reached::REACHED_FRESH).await;
+        negotiator
+            .request_lease(spec.clone())
+            .await
+            .expect("granted");
+        assert_eq!(reaches_now(), 3, "asked again after a second");
     }
 
     /// A provider that grants the proposal: one message, and the lease recorded with
