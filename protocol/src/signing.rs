@@ -121,26 +121,28 @@ static KEYS: std::sync::LazyLock<std::sync::Mutex<std::collections::HashMap<Peer
 /// `peer`'s ed25519 key decoded, from the cache or decoded now (and kept); `None` for
 /// an id without an ed25519 key or with a small-order one (never kept).
 fn cached_key(peer: &PeerId) -> Option<CachedKey> {
-    let mut keys = KEYS.lock().unwrap_or_else(|p| p.into_inner());
-    key_kept_in(&mut keys, peer, MAX_CACHED_KEYS)
-}
-
-/// `peer`'s key from `keys`, or decoded and kept there, which never holds more than
-/// `most` keys.
-fn key_kept_in(
-    keys: &mut std::collections::HashMap<PeerId, CachedKey>,
-    peer: &PeerId,
-    most: usize,
-) -> Option<CachedKey> {
-    if let Some(k) = keys.get(peer) {
+    let kept = || KEYS.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(k) = kept().get(peer) {
         return Some(k.clone());
     }
+    // Decoded outside the lock, which other checks share.
     let key = CachedKey::of(peer)?;
-    if keys.len() >= most {
+    keep_key(&mut kept(), *peer, key.clone(), MAX_CACHED_KEYS);
+    Some(key)
+}
+
+/// Keeps `key` for `peer` in `keys`, which never holds more than `most` keys (when
+/// full, it starts afresh).
+fn keep_key(
+    keys: &mut std::collections::HashMap<PeerId, CachedKey>,
+    peer: PeerId,
+    key: CachedKey,
+    most: usize,
+) {
+    if keys.len() >= most && !keys.contains_key(&peer) {
         keys.clear();
     }
-    keys.insert(*peer, key.clone());
-    Some(key)
+    keys.insert(peer, key);
 }
 
 /// One ed25519 signature under the rule of [`verify`].
@@ -553,17 +555,20 @@ mod tests {
                 Err(SignatureError::BadSignature)
             );
         }
-        let mut keys = std::collections::HashMap::new();
-        assert!(key_kept_in(&mut keys, &weak_peer, 2).is_none());
-        assert!(keys.is_empty(), "a small-order key is not kept");
+        assert!(
+            CachedKey::of(&weak_peer).is_none(),
+            "a small-order key is not kept"
+        );
         // A real key with a small-order R.
         let mut bad_r = sig.clone();
         bad_r[..32].copy_from_slice(&identity);
         assert!(verify_by(&peer, b"t1", b"body", &bad_r).is_err());
 
+        let mut keys = std::collections::HashMap::new();
         for _ in 0..5 {
             let p = Keypair::generate_ed25519().public().to_peer_id();
-            assert!(key_kept_in(&mut keys, &p, 2).is_some());
+            let key = CachedKey::of(&p).expect("an ed25519 key");
+            keep_key(&mut keys, p, key, 2);
             assert!(keys.len() <= 2, "{} keys kept", keys.len());
             assert!(keys.contains_key(&p), "the newest is kept");
         }

@@ -474,12 +474,12 @@ mod accounts_tests {
             provided(me, requester, 2, Completed),
             provided(me, other, 3, Completed),
         ]);
-        let (due, next) = accounts.due_peers(tokio::time::Instant::now());
+        let (due, next) = accounts.due_peers(tokio::time::Instant::now(), |_| false);
         assert!(due.is_empty(), "nothing due yet: {due:?}");
         assert_eq!(next, Some(start + LINGER), "the oldest claim sets the time");
 
         tokio::time::advance(LINGER / 2).await;
-        let (due, next) = accounts.due_peers(tokio::time::Instant::now());
+        let (due, next) = accounts.due_peers(tokio::time::Instant::now(), |_| false);
         assert_eq!(due, vec![requester], "its first claim is due");
         assert_eq!(
             next,
@@ -487,14 +487,20 @@ mod accounts_tests {
             "the other's is later"
         );
         assert_eq!(accounts.waiting_claims(&requester, 10).len(), 2, "both go");
+        // A requester that awaits a claim (a stream was opened ahead for it) gets its
+        // claims at once.
+        let (due, _) = accounts.due_peers(tokio::time::Instant::now(), |p| *p == other);
+        let mut both = vec![requester, other];
+        both.sort();
+        let mut sorted = due.clone();
+        sorted.sort();
+        assert_eq!(sorted, both);
 
         // A lease ended early: its claim is due now, and with one claim to a message it
         // is the one sent.
         accounts.make_claims(&[provided(me, other, 4, Cancelled)]);
-        let (mut due, _) = accounts.due_peers(tokio::time::Instant::now());
+        let (mut due, _) = accounts.due_peers(tokio::time::Instant::now(), |_| false);
         due.sort();
-        let mut both = vec![requester, other];
-        both.sort();
         assert_eq!(due, both);
         let first = accounts.waiting_claims(&other, 1);
         assert_eq!(

@@ -293,15 +293,19 @@ impl Accounts {
         }
     }
 
-    /// Requesters whose waiting claims are due by `now`, and when the next of the others
-    /// is.
-    pub(super) fn due_peers(&self, now: Instant) -> (Vec<PeerId>, Option<Instant>) {
+    /// Requesters whose waiting claims are due by `now`, or `awaited`, and when the next
+    /// of the others is.
+    pub(super) fn due_peers(
+        &self,
+        now: Instant,
+        awaited: impl Fn(&PeerId) -> bool,
+    ) -> (Vec<PeerId>, Option<Instant>) {
         let book = self.claims();
         let mut due = Vec::new();
         let mut next: Option<Instant> = None;
         for (peer, waiting) in &book.waiting {
             match waiting.due() {
-                Some(at) if at <= now => due.push(*peer),
+                Some(at) if at <= now || awaited(peer) => due.push(*peer),
                 Some(at) => next = Some(next.map_or(at, |n| n.min(at))),
                 None => {}
             }

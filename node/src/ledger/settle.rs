@@ -70,6 +70,8 @@ const MAX_AHEAD: usize = 64;
 pub struct StreamsAhead {
     link: PeerLink,
     open: Arc<std::sync::Mutex<HashMap<PeerId, AheadStream>>>,
+    /// Told when a stream starts opening: its requester's claims are due at once.
+    opened: tokio::sync::Notify,
 }
 
 /// A stream being opened, or opened, ahead: when it was asked for and where it arrives.
@@ -81,6 +83,7 @@ impl StreamsAhead {
         StreamsAhead {
             link,
             open: Arc::default(),
+            opened: tokio::sync::Notify::new(),
         }
     }
 
@@ -106,6 +109,16 @@ impl StreamsAhead {
             }
         });
         open.insert(peer, (asked, rx));
+        self.opened.notify_one();
+    }
+
+    /// Whether a fresh stream to `peer` is opening or open: a claim to it is awaited.
+    fn awaited(&self, peer: &PeerId) -> bool {
+        self.open
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(peer)
+            .is_some_and(|(at, _)| at.elapsed() < AHEAD_FRESH)
     }
 
     /// The stream opened ahead to `peer`, if one is fresh (waiting for it while it
@@ -267,10 +280,13 @@ pub async fn run_claims(
             }
             _ = retry.tick() => {}
             _ = lingering => {}
+            _ = ahead.opened.notified() => {}
             _ = stop.changed() => return,
         }
         let now = tokio::time::Instant::now();
-        let (due, next) = accounts.due_peers(now);
+        // A requester whose claim is awaited (a stream opened ahead for it: a one-job
+        // lease whose job ran to the lease's end) gets its claims at once.
+        let (due, next) = accounts.due_peers(now, |peer| ahead.awaited(peer));
         next_due = next;
         for peer in due {
             if in_flight.contains(&peer) || backoff.get(&peer).is_some_and(|(at, _)| *at > now) {

@@ -41,8 +41,9 @@ impl LeaseDesk {
         if owner.policy == OwnerPolicy::Share
             || (owner_busy.is_empty() && owner.seen.is_empty() && owner.suspended.is_empty())
         {
-            // Nothing to start or undo: every lease would be left as it is. This runs at
-            // every timer wake-up (each lease's end), so it must not walk the leases.
+            // Nothing to start or undo: every lease would be left as it is. This runs
+            // once a second and at every inventory change, so it must not walk the
+            // leases.
             return self.tracked(now, |_, _| {}).1;
         }
         let leases: Vec<(LeaseId, bool)> = self
