@@ -29,9 +29,6 @@ pub(super) struct Found {
     pub(super) candidates: Vec<Candidate>,
     /// The search, to keep when it leads to a lease or forget when it does not.
     pub(super) search: Option<Search>,
-    /// Whether the named provider's advert was one reached a moment ago, not the
-    /// loop's answer now (see `reached`).
-    pub(super) reached: bool,
 }
 
 /// An offer search's answer.
@@ -59,24 +56,19 @@ impl Negotiator {
             .unwrap_or_default()
     }
 
-    /// Where to reach `peer` (nothing when connected), what it advertises, when its
-    /// advert is known, and whether that is what it advertised when reached a moment
-    /// ago. A connected peer whose advert this node already verified costs no DHT
-    /// request, and one reached so a moment ago (with `reuse`) not even a question to
-    /// the loop (see `reached`).
-    async fn target_of(
-        &self,
-        peer: PeerId,
-        reuse: bool,
-    ) -> (Vec<Multiaddr>, Option<ProviderAdvert>, bool) {
+    /// Where to reach `peer` (nothing when connected) and what it advertises, when its
+    /// advert is known. A connected peer whose advert this node already verified costs
+    /// no DHT request, and one reached so a moment ago not even a question to the loop
+    /// (see `reached`).
+    async fn target_of(&self, peer: PeerId) -> (Vec<Multiaddr>, Option<ProviderAdvert>) {
         let now = tokio::time::Instant::now();
-        if let Some(advert) = self.reached().get(&peer, now).filter(|_| reuse) {
-            return (Vec::new(), Some(advert), true);
+        if let Some(advert) = self.reached().get(&peer, now) {
+            return (Vec::new(), Some(advert));
         }
         let (connected, known) = self.client.reach(peer).await.unwrap_or((false, None));
         if let (true, Some(advert)) = (connected, &known) {
             self.reached().keep(peer, advert.clone(), now);
-            return (Vec::new(), known, false);
+            return (Vec::new(), known);
         }
         let advert = self
             .find_adverts(vec![peer])
@@ -88,7 +80,7 @@ impl Negotiator {
             Some(o) if !connected => listen_multiaddrs(&o),
             _ => Vec::new(),
         };
-        (addrs, advertised, false)
+        (addrs, advertised)
     }
 
     /// The providers to ask for `spec`, in order: the one it names, or those whose
@@ -105,7 +97,7 @@ impl Negotiator {
                 let peer: PeerId = p.parse().map_err(|_| {
                     LeaseError::Invalid(format!("'{p}' is not a peer id (12D3KooW...)"))
                 })?;
-                let (addrs, advertised, reached) = self.target_of(peer, reuse).await;
+                let (addrs, advertised) = self.target_of(peer).await;
                 Ok(Found {
                     candidates: vec![Candidate {
                         peer,
@@ -113,7 +105,6 @@ impl Negotiator {
                         advertised,
                     }],
                     search: None,
-                    reached,
                 })
             }
             None => self.search(spec, max_price, reuse).await,
@@ -183,7 +174,6 @@ impl Negotiator {
                     .all(|a| crate::nat::scope_of(a) == Some(crate::nat::Scope::Relayed))
         });
         Ok(Found {
-            reached: false,
             candidates,
             search: Some(Search {
                 filter,

@@ -230,14 +230,7 @@ impl Negotiator {
             };
             let again = match found.search {
                 Some(search) => self.learn(search, &order, &result),
-                // A provider reached a moment ago (see `reached`), which failed or
-                // refused: asked once more where the loop says it is now (its advert
-                // may be out of date, its connection gone). A queued request is not
-                // sent twice.
-                None => {
-                    found.reached
-                        && matches!(result, Err(LeaseError::AllRefused(_) | LeaseError::Node(_)))
-                }
+                None => false,
             };
             if !again {
                 return result;
@@ -869,9 +862,9 @@ mod tests {
     }
 
     /// Lease after lease from one named provider asks the loop where it is once, not
-    /// once a lease; a request refused on the advert reached a moment ago is tried once
-    /// more with the loop's answer; after an answer its advert did not foresee (a
-    /// refusal here), or after a second, the loop is asked again.
+    /// once a lease; after an answer its advert did not foresee (a refusal here, which
+    /// stands: the provider is not asked twice), or after a second, the loop is asked
+    /// again.
     #[tokio::test(start_paused = true)]
     async fn a_provider_reached_a_moment_ago_is_not_asked_of_the_loop_again() {
         let (negotiator, mut rx, me, spec) = asking_the_fake_provider();
@@ -922,27 +915,27 @@ mod tests {
         }
         assert_eq!(reaches_now(), 1, "three leases, one question to the loop");
 
-        // Refused on the advert reached a moment ago: asked once more, after asking the
-        // loop, before the refusal stands.
+        // A refusal stands (the provider is not asked twice), and the advert is
+        // forgotten.
         refuse.store(true, std::sync::atomic::Ordering::SeqCst);
         negotiator
             .request_lease(spec.clone())
             .await
             .expect_err("refused");
-        assert_eq!(reaches_now(), 2, "the loop asked before the second try");
+        assert_eq!(reaches_now(), 1);
         refuse.store(false, std::sync::atomic::Ordering::SeqCst);
         negotiator
             .request_lease(spec.clone())
             .await
             .expect("granted");
-        assert_eq!(reaches_now(), 3, "asked again after the refusal");
+        assert_eq!(reaches_now(), 2, "asked again after the refusal");
 
         tokio::time::advance(reached::REACHED_FRESH).await;
         negotiator
             .request_lease(spec.clone())
             .await
             .expect("granted");
-        assert_eq!(reaches_now(), 4, "asked again after a second");
+        assert_eq!(reaches_now(), 3, "asked again after a second");
     }
 
     /// A provider that grants the proposal: one message, and the lease recorded with

@@ -1,10 +1,11 @@
 //! Providers reached a moment ago: a named provider's newest advert, read from the
 //! loop while a connection to it was up, is used again for [`REACHED_FRESH`] without
 //! asking the loop, so a requester that takes lease after lease from one provider asks
-//! once a second, not once a lease. An advert out of date can cost a proposal, never a
-//! wrong lease (the provider grants only the terms it would offer): it is forgotten as
-//! soon as an answer is not the grant it foresaw, and a request that failed or was
-//! refused on it is tried once more with the loop's answer (`request_lease_and`).
+//! once a second, not once a lease. An advert out of date can cost a request, never a
+//! wrong lease (the provider grants only the terms it would offer): a price raised
+//! within that second gets the request refused, as an advert read a moment before the
+//! change would. It is forgotten as soon as an answer is not the grant it foresaw, so
+//! the next request asks the loop.
 
 use std::collections::HashMap;
 use std::time::Duration;
