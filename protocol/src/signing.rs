@@ -321,7 +321,8 @@ impl KeyCache {
         if let Some(i) = self.index.get(peer) {
             return *i;
         }
-        let key = CachedKey::of(peer);
+        // From the keys kept for single checks: a signer decoded once for either.
+        let key = cached_key(peer);
         let i = key.map(|k| {
             self.keys.push(k);
             self.keys.len() - 1

@@ -6,7 +6,8 @@
 //! resends the very same receipt); [`run_claims`] sends claims to each requester in
 //! batches and appends the countersigned ones to the ledger. The claim of a lease that
 //! ran to its end waits up to [`super::claims::LINGER`] for others to the same
-//! requester; any other goes at once. Claims a requester refuses
+//! requester; any other goes at once, as do those of a requester for which a stream was
+//! opened ahead (see below). Claims a requester refuses
 //! stay as disputed claims: they count as its debt and cost it reputation; claims it does
 //! not answer are retried with backoff. A claim known to be coming (a one-job lease whose
 //! outputs are out) finds its stream already open and negotiated ([`StreamsAhead`]).
