@@ -269,7 +269,8 @@ pub struct RunArgs {
     /// Submit to the daemon, print the job id and return.
     #[arg(long)]
     pub detach: bool,
-    /// No progress bars or status lines, only the task's output.
+    /// No progress bars or status lines, only the task's output; with a daemon, returns
+    /// as soon as the outputs are in (the daemon settles the receipt on its own).
     #[arg(long, short)]
     pub quiet: bool,
     /// Arguments passed to the task; for container jobs, the command and its arguments.

@@ -26,6 +26,9 @@ pub struct DispatchReport {
     pub pause_ms: u64,
     /// `--peer` given (no provider lookup) or not.
     pub named_peer: bool,
+    /// `--quiet` given: the run returns once the outputs are in. Without it, it prints
+    /// the summary line, whose cost waits for the settled receipt.
+    pub quiet: bool,
     /// Median wall time of the `gpunode run` process, ms.
     pub median_ms: f64,
     /// 95th percentile, ms.
@@ -62,13 +65,13 @@ pub fn dispatch(binary: &Path, runs: usize, pause: Duration) -> Result<Vec<Dispa
     let hello = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/wat/hello.wat");
     let out = tmp.path().join("out");
     let requester = procs[0].data_dir.clone();
-    let run = |peer: Option<&str>| -> Result<f64> {
+    let run = |peer: Option<&str>, quiet: bool| -> Result<f64> {
         let mut cmd = Command::new(binary);
         cmd.arg("--data-dir")
             .arg(&requester)
             .arg("run")
             .arg(&hello)
-            .arg("--quiet")
+            .args(quiet.then_some("--quiet"))
             .arg("--output")
             .arg(&out);
         if let Some(p) = peer {
@@ -78,27 +81,29 @@ pub fn dispatch(binary: &Path, runs: usize, pause: Duration) -> Result<Vec<Dispa
     };
     // Until both providers are visible and every path is warm.
     let deadline = Instant::now() + Duration::from_secs(30);
-    while run(None).is_err() {
+    while run(None, true).is_err() {
         if Instant::now() > deadline {
             bail!("no provider took the task within 30s");
         }
         std::thread::sleep(Duration::from_millis(200));
     }
     for _ in 0..10 {
-        run(None)?;
+        run(None, true)?;
     }
     let mut reports = Vec::new();
-    for peer in [None, Some(procs[1].peer_id.clone())] {
+    let named = Some(procs[1].peer_id.clone());
+    for (peer, quiet) in [(None, true), (named.clone(), true), (named, false)] {
         let mut times = Vec::with_capacity(runs);
         for _ in 0..runs {
             std::thread::sleep(pause);
-            times.push(run(peer.as_deref())?);
+            times.push(run(peer.as_deref(), quiet)?);
         }
         times.sort_by(f64::total_cmp);
         reports.push(DispatchReport {
             runs,
             pause_ms: pause.as_millis() as u64,
             named_peer: peer.is_some(),
+            quiet,
             median_ms: percentile(&times, 0.5),
             p95_ms: percentile(&times, 0.95),
             srun_true_median_ms: None,

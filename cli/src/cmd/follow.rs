@@ -31,24 +31,25 @@ impl Target {
 
     /// A job's events from `from` on, waiting up to `wait_ms` for a new one of a kind
     /// not in `skip` (comma-separated kinds, `""` for none; a daemon too old to know
-    /// `skip` wakes for every event).
+    /// `skip` wakes for every event), with the kinds `with` asks for (`done`; a daemon
+    /// too old to know one never sends it).
     pub async fn events(
         &self,
         id: &str,
         from: usize,
         wait_ms: u64,
-        skip: &str,
+        (skip, with): (&str, &str),
     ) -> Result<EventPage> {
         Ok(match self {
             Target::Daemon(c) => {
                 c.get_json(&format!(
-                    "/v1/jobs/{}/events?from={from}&wait_ms={wait_ms}&skip={skip}",
+                    "/v1/jobs/{}/events?from={from}&wait_ms={wait_ms}&skip={skip}&with={with}",
                     url_segment(id)
                 ))
                 .await?
             }
             Target::Local(node) => {
-                let skip = Skip::parse(skip);
+                let skip = Skip::parse(skip).with(with);
                 node.handle
                     .job_events_skipping(id, from, Duration::from_millis(wait_ms), &skip)
                     .await
@@ -74,6 +75,17 @@ impl Target {
         }
         Ok(())
     }
+}
+
+/// Where following a job stops.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Until {
+    /// Its receipt is settled (or the wait for it is over): the summary's cost is final.
+    Settled,
+    /// Its result and output files are in (`done`), and the daemon settles the receipt
+    /// on its own: for a run that prints no summary. With an in-process node, which
+    /// stops when the command returns, this follows to [`Until::Settled`].
+    Outputs,
 }
 
 /// How a followed job ended.
@@ -121,12 +133,12 @@ impl Bars {
     }
 }
 
-/// Follows a job's events to its end, printing output; Ctrl-C cancels it when
-/// `cancel_on_interrupt`.
+/// Follows a job's events to its end (or as far as `until` says), printing output;
+/// Ctrl-C cancels it when `cancel_on_interrupt`.
 pub async fn follow(
     target: &Target,
     job_id: &str,
-    quiet: bool,
+    (quiet, until): (bool, Until),
     cancel_on_interrupt: bool,
 ) -> Result<End> {
     let mut bars = Bars {
@@ -140,12 +152,16 @@ pub async fn follow(
         (false, false) => "started,progress",
         (false, true) => "started",
     };
+    let with = match (until, target) {
+        (Until::Outputs, Target::Daemon(_)) => "done",
+        _ => "",
+    };
     let mut from = 0;
     let mut interrupted = false;
     let mut ctrl_c = Box::pin(tokio::signal::ctrl_c());
     loop {
         let page = tokio::select! {
-            p = target.events(job_id, from, POLL_WAIT_MS, skip) => Some(p?),
+            p = target.events(job_id, from, POLL_WAIT_MS, (skip, with)) => Some(p?),
             _ = &mut ctrl_c, if cancel_on_interrupt => None,
         };
         let Some(page) = page else {
@@ -220,7 +236,10 @@ fn print_events(events: Vec<JobEvent>, bars: &mut Bars, quiet: bool) -> Result<O
                     writeln!(err, "  {}: {reason}", who(provider))?;
                 }
             }
-            JobEvent::Finished { summary } => end = Some(End::Finished(summary)),
+            // A page with both: the later, settled summary is the one kept.
+            JobEvent::Done { summary } | JobEvent::Finished { summary } => {
+                end = Some(End::Finished(summary))
+            }
             JobEvent::Failed { error } => end = Some(End::Failed(error)),
             _ => {}
         }

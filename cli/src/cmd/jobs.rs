@@ -11,7 +11,7 @@ use gpunode_node::DataDir;
 use gpunode_protocol::units::format_age;
 
 use crate::args::{JobArgs, LogsArgs, WhyArgs};
-use crate::cmd::follow::{follow, outcome_words, who, End};
+use crate::cmd::follow::{follow, outcome_words, who, End, Until};
 use crate::helpers::print_json;
 use crate::output;
 use crate::target::{Target, JOBS_NEED_DAEMON};
@@ -32,14 +32,14 @@ pub async fn jobs(data_dir: DataDir, json: bool) -> Result<ExitCode> {
 pub async fn logs(data_dir: DataDir, args: LogsArgs) -> Result<ExitCode> {
     let target = Target::Daemon(Target::require_daemon(&data_dir, JOBS_NEED_DAEMON).await?);
     if args.follow {
-        return match follow(&target, &args.job, true, false).await? {
+        return match follow(&target, &args.job, (true, Until::Outputs), false).await? {
             End::Finished(s) => Ok(ExitCode::from(s.exit_code.clamp(0, 255) as u8)),
             End::Failed(e) => anyhow::bail!("job {} failed: {e}", args.job),
         };
     }
     let mut from = 0;
     loop {
-        let page = target.events(&args.job, from, 0, "").await?;
+        let page = target.events(&args.job, from, 0, ("", "")).await?;
         let mut out = std::io::stdout().lock();
         let mut err = std::io::stderr().lock();
         for event in &page.events {

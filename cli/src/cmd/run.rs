@@ -10,7 +10,7 @@ use gpunode_node::jobs::{ContainerRequest, JobRequest, JobSummary};
 use gpunode_node::{DataDir, NodeConfig};
 
 use crate::args::RunArgs;
-use crate::cmd::follow::{follow, outcome_words, End};
+use crate::cmd::follow::{follow, outcome_words, End, Until};
 use crate::helpers::{absolute, job_kind, parse_size, parse_size_opt, parse_time};
 use crate::output;
 use crate::target::Target;
@@ -37,7 +37,13 @@ pub async fn run(data_dir: DataDir, config: NodeConfig, args: RunArgs) -> Result
         return Ok(ExitCode::SUCCESS);
     }
     let quiet = args.quiet;
-    let result = follow(&target, &view.job_id, quiet, true).await;
+    // Without the summary line nothing waits for the receipt: the daemon settles it.
+    let until = if quiet {
+        Until::Outputs
+    } else {
+        Until::Settled
+    };
+    let result = follow(&target, &view.job_id, (quiet, until), true).await;
     target.close().await;
     match result? {
         End::Finished(summary) => {

@@ -6,7 +6,7 @@
 //! `GET /v1/leases`, `POST /v1/leases` (a [`crate::LeaseSpec`]),
 //! `POST /v1/leases/{id}/renew` (`{"extend_ms": N}`), `POST /v1/leases/{id}/cancel`,
 //! `GET /v1/jobs`, `POST /v1/jobs` (a [`crate::jobs::JobRequest`]), `GET /v1/jobs/{id}`,
-//! `GET /v1/jobs/{id}/events?from=N&wait_ms=M&skip=KINDS` (long poll), `POST /v1/jobs/{id}/cancel`,
+//! `GET /v1/jobs/{id}/events?from=N&wait_ms=M&skip=KINDS&with=KINDS` (long poll), `POST /v1/jobs/{id}/cancel`,
 //! `GET /v1/ledger?recent=N`, `GET /v1/ledger/verify`, `GET /v1/ledger/export?format=csv|json`,
 //! `GET /v1/peers`, `GET /v1/team`, `POST /v1/team/invite` (role, uses, expires_ms),
 //! `POST /v1/team/add` and `POST /v1/team/revoke` (`{"peer": ID}`), `GET|POST
@@ -214,6 +214,10 @@ pub struct EventsQuery {
     /// (`leased,started`): they come with the next page instead.
     #[serde(default)]
     pub skip: String,
+    /// Kinds a follower sees only when it asks for them, comma-separated (`done`:
+    /// the result and outputs are in, before the receipt settles).
+    #[serde(default)]
+    pub with: String,
 }
 
 /// Longest a events request waits, so a daemon shutdown is never held up for long.
@@ -263,7 +267,7 @@ async fn job_events(
     Query(q): Query<EventsQuery>,
 ) -> Response {
     let wait = std::time::Duration::from_millis(q.wait_ms.min(MAX_EVENTS_WAIT_MS));
-    let skip = crate::jobs::table::Skip::parse(&q.skip);
+    let skip = crate::jobs::table::Skip::parse(&q.skip).with(&q.with);
     match node.job_events_skipping(&id, q.from, wait, &skip).await {
         Ok(page) => Json(page).into_response(),
         Err(e) => job_error(e),

@@ -38,9 +38,11 @@ impl Requester {
             let mut one = req.clone();
             one.output_dir = replica_dir(&req.output_dir, n);
             one.replicas = 1;
-            // Only the first replica's output streams to the user.
+            // Only the first replica's output streams to the user, and no replica's
+            // result is the job's (that waits for the majority).
             let mut quiet = |e: JobEvent| {
-                if n == 1 || !matches!(e, JobEvent::Stdout { .. } | JobEvent::Stderr { .. }) {
+                let output = matches!(e, JobEvent::Stdout { .. } | JobEvent::Stderr { .. });
+                if (n == 1 || !output) && !matches!(e, JobEvent::Done { .. }) {
                     events(e)
                 }
             };

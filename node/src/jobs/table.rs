@@ -212,7 +212,7 @@ impl JobTable {
             JobEvent::Stdout { data } | JobEvent::Stderr { data } => {
                 e.log_bytes += data.len();
             }
-            JobEvent::Progress { .. } => {}
+            JobEvent::Progress { .. } | JobEvent::Done { .. } => {}
         }
         e.events.push(event);
         // Over the bound, the oldest events go (positions stay valid: `offset` counts
@@ -292,7 +292,11 @@ impl JobTable {
                 let final_state = e.view.state.is_final();
                 let start = from.saturating_sub(e.offset).min(e.events.len());
                 let page = |e: &Entry| EventPage {
-                    events: e.events[start..].to_vec(),
+                    events: e.events[start..]
+                        .iter()
+                        .filter(|ev| skip.shows(ev))
+                        .cloned()
+                        .collect(),
                     next: total,
                     done: final_state,
                 };
@@ -325,37 +329,61 @@ impl JobTable {
     }
 }
 
-/// Kinds of job event that do not wake a follower by themselves (`leased`, `started`,
-/// ...): one that prints nothing for them is not woken, and does not ask again, for
-/// each; they still come with the next page.
+/// What a follower asks of a job's events: kinds that do not wake it by themselves
+/// (`leased`, `started`, ...: one that prints nothing for them is not woken, and does not
+/// ask again, for each; they still come with the next page), and the kinds of
+/// [`JobEvent::ASKED_FOR`] it wants to see at all (`with`).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Skip(Vec<&'static str>);
+pub struct Skip {
+    skip: Vec<&'static str>,
+    with: Vec<&'static str>,
+}
 
 impl Skip {
-    /// Every event wakes.
+    /// Every event wakes; no kind is asked for.
     pub fn none() -> Skip {
-        Skip(Vec::new())
+        Skip::default()
     }
 
     /// From a comma-separated list of kinds (`leased,started`); empty for none. Names
     /// this node does not know are left out: skipping is a hint, and a newer client may
     /// name kinds of a newer node (each of them then wakes it, as without `skip`).
     pub fn parse(list: &str) -> Skip {
-        let mut kinds = Vec::new();
-        for name in list.split(',').map(str::trim) {
-            if let Some(kind) = JobEvent::KINDS.iter().find(|k| **k == name) {
-                if !kinds.contains(kind) {
-                    kinds.push(*kind);
-                }
-            }
+        Skip {
+            skip: kinds_named(list, &JobEvent::KINDS),
+            with: Vec::new(),
         }
-        Skip(kinds)
+    }
+
+    /// These kinds of [`JobEvent::ASKED_FOR`] too (comma-separated; others are left out).
+    pub fn with(mut self, list: &str) -> Skip {
+        self.with = kinds_named(list, &JobEvent::ASKED_FOR);
+        self
+    }
+
+    /// Whether `event` is on this follower's pages at all.
+    fn shows(&self, event: &JobEvent) -> bool {
+        let kind = event.kind();
+        !JobEvent::ASKED_FOR.contains(&kind) || self.with.contains(&kind)
     }
 
     /// Whether `event` ends a wait.
     fn wakes(&self, event: &JobEvent) -> bool {
-        !self.0.contains(&event.kind())
+        self.shows(event) && !self.skip.contains(&event.kind())
     }
+}
+
+/// The kinds of `known` that the comma-separated `list` names, each once.
+fn kinds_named(list: &str, known: &[&'static str]) -> Vec<&'static str> {
+    let mut kinds = Vec::new();
+    for name in list.split(',').map(str::trim) {
+        if let Some(kind) = known.iter().find(|k| **k == name) {
+            if !kinds.contains(kind) {
+                kinds.push(*kind);
+            }
+        }
+    }
+    kinds
 }
 
 /// Why a job could not be found or acted on.
@@ -547,17 +575,94 @@ mod tests {
         assert_eq!((page.events.len(), page.next), (0, 1));
     }
 
+    /// The summary of a job that exited 0 on provider `p`, its receipt `receipt`.
+    fn summary(receipt: &str) -> Box<JobSummary> {
+        Box::new(JobSummary {
+            provider: "p".into(),
+            lease_id: "l".into(),
+            outcome: gpunode_protocol::job::JobOutcome::Exited(0),
+            exit_code: 0,
+            wall_ms: 3,
+            run_ms: 1,
+            cost: 0.5,
+            receipt: receipt.into(),
+            output_digest: String::new(),
+            replicas: Vec::new(),
+            output_dir: PathBuf::from("/out"),
+            outputs: vec!["a.txt".into()],
+            attempts: 1,
+            module_cached: true,
+            gpu: None,
+        })
+    }
+
+    /// In paused time: `done` is only on the pages of a follower that asks for it (an
+    /// older client never meets a kind it cannot read), and wakes only that follower.
+    #[tokio::test(start_paused = true)]
+    async fn done_reaches_only_the_followers_that_ask_for_it() {
+        let table = JobTable::default();
+        let (id, _cancel) = table.insert(&request());
+        table.push(&id, started());
+        table.push(
+            &id,
+            JobEvent::Done {
+                summary: summary("pending"),
+            },
+        );
+        let asks = Skip::parse("started").with("done,finished,unknown");
+        assert_eq!(asks.with, ["done"], "only kinds that must be asked for");
+        let (waited, page) = timed_poll(&table, &id, 0, Duration::from_secs(30), &asks).await;
+        assert_eq!(
+            waited,
+            Duration::ZERO,
+            "done wakes a follower that asks for it"
+        );
+        let kinds: Vec<&str> = page.events.iter().map(JobEvent::kind).collect();
+        assert_eq!(
+            (kinds, page.next, page.done),
+            (vec!["started", "done"], 2, false)
+        );
+        // A follower that does not ask: not woken, and `done` is not on its page.
+        let older = Skip::parse("started");
+        let (waited, page) = timed_poll(&table, &id, 0, Duration::from_secs(30), &older).await;
+        assert_eq!(waited, Duration::from_secs(30));
+        let kinds: Vec<&str> = page.events.iter().map(JobEvent::kind).collect();
+        assert_eq!((kinds, page.next), (vec!["started"], 2));
+        let json = serde_json::to_string(&page).expect("json");
+        assert!(!json.contains(r#""type":"done""#), "{json}");
+        // From past `done`, with nothing new: it is not there to wake anyone either.
+        let (waited, page) = timed_poll(&table, &id, 2, Duration::from_secs(5), &asks).await;
+        assert_eq!((waited, page.events.len()), (Duration::from_secs(5), 0));
+        // The settled summary ends the job for every follower.
+        table.push(
+            &id,
+            JobEvent::Finished {
+                summary: summary("settled"),
+            },
+        );
+        for skip in [&asks, &older] {
+            let (waited, page) = timed_poll(&table, &id, 2, Duration::from_secs(30), skip).await;
+            assert_eq!(waited, Duration::ZERO);
+            let kinds: Vec<&str> = page.events.iter().map(JobEvent::kind).collect();
+            assert_eq!((kinds, page.done), (vec!["finished"], true));
+        }
+        assert_eq!(
+            table.get(&id).expect("job").summary.map(|s| s.receipt),
+            Some("settled".to_string())
+        );
+    }
+
     #[test]
     fn a_skip_list_keeps_known_kinds_only_and_each_kind_is_its_wire_type() {
         assert_eq!(Skip::parse(""), Skip::none());
         assert_eq!(
-            Skip::parse("started,,started , leased"),
-            Skip(vec!["started", "leased"])
+            Skip::parse("started,,started , leased").skip,
+            ["started", "leased"]
         );
         // A kind this node does not know is left out (a newer client's), not an error.
         assert_eq!(
-            Skip::parse("started,newer_kind,x".repeat(3).as_str()),
-            Skip(vec!["started"])
+            Skip::parse("started,newer_kind,x".repeat(3).as_str()).skip,
+            ["started"]
         );
         let samples = [
             JobEvent::Leased {
@@ -592,13 +697,14 @@ mod tests {
             assert_eq!(wire["type"], event.kind());
             assert!(JobEvent::KINDS.contains(&event.kind()));
         }
-        // `finished` (its summary is large to build here) is the one kind not sampled.
+        // `done` and `finished` (their summary is large to build here) are the kinds not
+        // sampled.
         let sampled: Vec<&str> = samples.iter().map(JobEvent::kind).collect();
         let missing: Vec<&&str> = JobEvent::KINDS
             .iter()
             .filter(|k| !sampled.contains(k))
             .collect();
-        assert_eq!(missing, [&"finished"]);
+        assert_eq!(missing, [&"done", &"finished"]);
     }
 
     #[tokio::test]

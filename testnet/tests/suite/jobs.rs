@@ -7,6 +7,7 @@
 use std::time::Duration;
 
 use futures::{AsyncReadExt, AsyncWriteExt};
+use gpunode_node::jobs::table::Skip;
 use gpunode_node::jobs::JobEvent;
 use gpunode_node::{LeaseSpec, NodeConfig};
 use gpunode_protocol::encoding;
@@ -328,6 +329,38 @@ async fn a_lease_for_one_job_ends_with_it_on_new_and_old_providers() {
         let ahead = client.handle.metrics().job_streams_ahead_used.get();
         assert_eq!(ahead, i as u64 + 1, "provider {i}");
         assert_eq!(summary.receipt, "settled", "provider {i}");
+        // A follower that asks for `done` had the result before the receipt settled
+        // (what `gpunode run --quiet` waits for); one that does not never sees it.
+        let job = client
+            .handle
+            .list_jobs()
+            .into_iter()
+            .next()
+            .expect("the job");
+        let with_done = Skip::none().with("done");
+        let page = client
+            .handle
+            .job_events_skipping(&job.job_id, 0, Duration::ZERO, &with_done)
+            .await
+            .expect("events");
+        let kinds: Vec<&str> = page.events.iter().map(JobEvent::kind).collect();
+        assert_eq!(
+            kinds[kinds.len() - 2..],
+            ["done", "finished"],
+            "provider {i}"
+        );
+        let JobEvent::Done { summary: early } = &page.events[kinds.len() - 2] else {
+            unreachable!("the kind says done")
+        };
+        assert_eq!(early.receipt, "pending", "provider {i}");
+        let known_then = (early.exit_code, &early.outputs, &early.output_digest);
+        assert_eq!(known_then, (7, &summary.outputs, &summary.output_digest));
+        let page = client
+            .handle
+            .job_events(&job.job_id, 0, Duration::ZERO)
+            .await
+            .expect("events");
+        assert!(page.events.iter().all(|e| e.kind() != "done"));
         assert_eq!(
             provider.metrics().leases_ended_with_job.get(),
             u64::from(ends_itself),

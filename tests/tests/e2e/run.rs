@@ -103,6 +103,23 @@ fn run_ships_a_task_to_a_peer_and_brings_back_its_output() {
         std::fs::read_to_string(job_dirs[0].path().join("hello.txt")).expect("hello.txt"),
         "hello from a gpunode sandbox\n"
     );
+    // --quiet returns once the result and outputs are in; the daemon settles the
+    // receipt on its own.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let out = gpunode(&requester.data_dir, &["jobs", "--json"]);
+        let jobs: Value = serde_json::from_slice(&out.stdout).expect("jobs --json");
+        let newest = &jobs[0];
+        if newest["summary"]["receipt"] == "settled" {
+            assert_eq!(newest["state"], "finished", "{newest}");
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the quiet run's receipt never settled: {newest}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
 
     // The task's exit code is the command's.
     let spin = workspace_file("testnet/tasks/spin.wat");

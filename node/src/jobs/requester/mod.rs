@@ -210,7 +210,8 @@ impl Requester {
                 .await;
             match outcome {
                 Attempt::Done(report) => {
-                    return Ok(self.summary(req, &lease, report, started, attempt).await)
+                    let summary = self.summary(req, &lease, report, started, attempt);
+                    return Ok(self.settled(req, &lease, summary, events).await);
                 }
                 Attempt::Fatal(why) => return Err(JobError::Failed(why)),
                 Attempt::Retry(why) | Attempt::OnlyRelayed(why)
@@ -303,9 +304,9 @@ impl Requester {
         outcome
     }
 
-    /// The job's summary: what it cost (the settled receipt's amount, or until it
-    /// settles the lease's price over the wall time) and where its receipt stands.
-    async fn summary(
+    /// The job's summary before its receipt settles: priced like the lease's maximum (a
+    /// lease without GPUs as one GPU) over the wall time, receipt `pending`.
+    fn summary(
         &self,
         req: &JobRequest,
         lease: &LeaseView,
@@ -314,23 +315,7 @@ impl Requester {
         attempts: u32,
     ) -> JobSummary {
         let wall_ms = started.elapsed().as_millis() as u64;
-        // Until the receipt settles: priced like the lease's maximum (a lease without
-        // GPUs as one GPU) over the wall time.
         let gpus = lease.gpus.len().max(1) as f64;
-        let mut cost = lease.price_per_gpu_hour * gpus * wall_ms as f64 / 3_600_000.0;
-        let receipt = match lease.lease_id.parse::<LeaseId>().ok() {
-            // Settled once, for the whole reservation, when it ends.
-            Some(_) if req.reservation.is_some() => "at the reservation's end".to_string(),
-            Some(id) => match self.accounts.wait_receipt(&id, RECEIPT_WAIT).await {
-                ReceiptStatus::Settled(r) => {
-                    cost = crate::ledger::credits(r.receipt.amount_millicredits);
-                    "settled".to_string()
-                }
-                ReceiptStatus::Refused(why) => format!("refused: {why}"),
-                ReceiptStatus::Pending => "pending".to_string(),
-            },
-            None => "pending".to_string(),
-        };
         JobSummary {
             provider: lease.provider.clone(),
             lease_id: lease.lease_id.clone(),
@@ -339,8 +324,8 @@ impl Requester {
             outcome: report.outcome,
             wall_ms,
             run_ms: report.run_ms,
-            cost,
-            receipt,
+            cost: lease.price_per_gpu_hour * gpus * wall_ms as f64 / 3_600_000.0,
+            receipt: "pending".to_string(),
             replicas: Vec::new(),
             output_dir: req.output_dir.clone(),
             outputs: report.outputs.iter().map(|f| f.path.clone()).collect(),
@@ -348,6 +333,35 @@ impl Requester {
             module_cached: report.module_cached,
             gpu: report.gpu,
         }
+    }
+
+    /// `summary` once its receipt is settled (its cost then the receipt's amount), refused,
+    /// or still pending after [`RECEIPT_WAIT`]. The result and the outputs are in before
+    /// that: `done` says so, for a follower that does not wait for the cost.
+    async fn settled(
+        &self,
+        req: &JobRequest,
+        lease: &LeaseView,
+        mut summary: JobSummary,
+        events: &mut (dyn FnMut(JobEvent) + Send),
+    ) -> JobSummary {
+        events(JobEvent::Done {
+            summary: Box::new(summary.clone()),
+        });
+        summary.receipt = match lease.lease_id.parse::<LeaseId>().ok() {
+            // Settled once, for the whole reservation, when it ends.
+            Some(_) if req.reservation.is_some() => "at the reservation's end".to_string(),
+            Some(id) => match self.accounts.wait_receipt(&id, RECEIPT_WAIT).await {
+                ReceiptStatus::Settled(r) => {
+                    summary.cost = crate::ledger::credits(r.receipt.amount_millicredits);
+                    "settled".to_string()
+                }
+                ReceiptStatus::Refused(why) => format!("refused: {why}"),
+                ReceiptStatus::Pending => "pending".to_string(),
+            },
+            None => "pending".to_string(),
+        };
+        summary
     }
 
     /// The reservation `prefix` names, once it has started (waiting for its start, and

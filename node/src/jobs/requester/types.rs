@@ -179,6 +179,14 @@ pub enum JobEvent {
         /// Attempt about to start (2 = first retry).
         attempt: u32,
     },
+    /// The task's result and its output files are in; the receipt may not be settled
+    /// yet, so the summary's cost can still be an estimate (`receipt: pending`).
+    /// `finished` follows once it settles (or its wait ends). A follower sees this kind
+    /// only when it asks for it ([`JobEvent::ASKED_FOR`]).
+    Done {
+        /// The summary so far.
+        summary: Box<JobSummary>,
+    },
     /// The job ended with a result.
     Finished {
         /// What happened.
@@ -193,10 +201,14 @@ pub enum JobEvent {
 
 impl JobEvent {
     /// Every kind of event, as `type` names it on the wire.
-    pub const KINDS: [&'static str; 9] = [
-        "leased", "progress", "started", "stdout", "stderr", "waiting", "retrying", "finished",
-        "failed",
+    pub const KINDS: [&'static str; 10] = [
+        "leased", "progress", "started", "stdout", "stderr", "waiting", "retrying", "done",
+        "finished", "failed",
     ];
+
+    /// Kinds a follower gets only when it names them (`with`), so one older than them
+    /// never meets a kind it cannot read.
+    pub const ASKED_FOR: [&'static str; 1] = ["done"];
 
     /// This event's kind, as its `type` on the wire.
     pub fn kind(&self) -> &'static str {
@@ -208,6 +220,7 @@ impl JobEvent {
             JobEvent::Stderr { .. } => "stderr",
             JobEvent::Waiting { .. } => "waiting",
             JobEvent::Retrying { .. } => "retrying",
+            JobEvent::Done { .. } => "done",
             JobEvent::Finished { .. } => "finished",
             JobEvent::Failed { .. } => "failed",
         }
