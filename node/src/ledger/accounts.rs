@@ -38,6 +38,9 @@ pub struct Misbehaviour {
     /// Serve jobs only on the first job protocol, as providers did before
     /// `JOB_ENDS_LEASE_PROTOCOL` (not hostile: how requesters meet older providers).
     pub first_job_protocol_only: bool,
+    /// Make no receipts: leases are never billed, and a requester that waits for the
+    /// receipt waits in vain.
+    pub withhold_receipts: bool,
 }
 
 /// The credit side of a node: ledger, reputation, usage meters, unsettled claims and the

@@ -1,8 +1,9 @@
 //! Jobs on real nodes on 127.0.0.1: a task runs on a remote peer and its output comes
 //! back byte for byte; the same module and input are not sent twice; a provider that
 //! dies mid-task is replaced; a lease that ends stops its job; bad modules cost no
-//! lease; a lease taken for one job ends with it, on providers old and new; hostile job
-//! requests are refused and the provider keeps serving.
+//! lease; a lease taken for one job ends with it, on providers old and new; a withheld
+//! receipt does not hold up the result; hostile job requests are refused and the
+//! provider keeps serving.
 
 use std::time::Duration;
 
@@ -224,6 +225,67 @@ async fn the_job_stops_when_its_lease_ends() {
         client.handle.get_job(&view.job_id).unwrap().state,
         gpunode_node::jobs::JobState::Cancelled
     );
+    net.shutdown().await;
+}
+
+/// A provider that never sends its receipt does not hold up the result for a follower
+/// that asks for `done` (what `gpunode run --quiet` returns on): the result and its
+/// output files come as soon as they are in, while the job itself waits for the receipt
+/// and ends with it pending.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_provider_that_withholds_its_receipt_does_not_hold_up_the_result() {
+    fn withholds(_: usize) -> gpunode_node::Misbehaviour {
+        gpunode_node::Misbehaviour {
+            withhold_receipts: true,
+            ..Default::default()
+        }
+    }
+    let net = TestNet::providers(1)
+        .tweak(cheap_first)
+        .misbehaviour(withholds)
+        .with_clients(1)
+        .clients_see_offers(LONG)
+        .start()
+        .await
+        .expect("start");
+    let client = &net.client(0).handle;
+    let dir = tempfile::tempdir().unwrap();
+    let hello = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/wat/hello.wat");
+    let view = client.submit_job(request(hello, dir.path()).peer(net.provider_id(0)));
+    let with_done = Skip::none().with("done");
+    let mut from = 0;
+    let deadline = tokio::time::Instant::now() + LONG;
+    let done = loop {
+        let page = client
+            .job_events_skipping(&view.job_id, from, Duration::from_millis(500), &with_done)
+            .await
+            .expect("events");
+        from = page.next;
+        let found = page.events.into_iter().find_map(|e| match e {
+            JobEvent::Done { summary } => Some(summary),
+            _ => None,
+        });
+        if let Some(summary) = found {
+            break summary;
+        }
+        assert!(!page.done, "the job ended before its result was done");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no result within {LONG:?}"
+        );
+    };
+    // The result and its outputs are in while the job still waits for the receipt.
+    assert!(!client.get_job(&view.job_id).expect("job").state.is_final());
+    assert_eq!((done.exit_code, done.receipt.as_str()), (0, "pending"));
+    assert_eq!(done.outputs, ["hello.txt"]);
+    let written = std::fs::read_to_string(done.output_dir.join("hello.txt")).expect("output");
+    assert_eq!(written, "hello from a gpunode sandbox\n");
+    // The job then ends without a settled receipt.
+    let events = until_end(client, &view.job_id, &mut from)
+        .await
+        .expect("end");
+    let end = outcome(&events).expect("an end").expect("finished");
+    assert_eq!((end.exit_code, end.receipt.as_str()), (0, "pending"));
     net.shutdown().await;
 }
 

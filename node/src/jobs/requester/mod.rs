@@ -206,12 +206,12 @@ impl Requester {
             };
             let started = Instant::now();
             let outcome = self
-                .run_on_lease(req, prepared, &lease, (events, cancel), &ahead)
+                .run_on_lease(req, prepared, &lease, (events, cancel), (&ahead, attempt))
                 .await;
             match outcome {
                 Attempt::Done(report) => {
-                    let summary = self.summary(req, &lease, report, started, attempt);
-                    return Ok(self.settled(req, &lease, summary, events).await);
+                    let summary = self.summary(req, &lease, &report, started, attempt);
+                    return Ok(self.settled(req, &lease, summary).await);
                 }
                 Attempt::Fatal(why) => return Err(JobError::Failed(why)),
                 Attempt::Retry(why) | Attempt::OnlyRelayed(why)
@@ -237,9 +237,10 @@ impl Requester {
         }
     }
 
-    /// One attempt on `lease`, bounded by the lease (a provider that stops answering
-    /// without dropping the connection cannot hold the job past it); the lease is then
-    /// released in the background, unless it is a reservation kept for the next job.
+    /// Attempt number `attempts` on `lease`, bounded by the lease (a provider that stops
+    /// answering without dropping the connection cannot hold the job past it); the lease
+    /// is then released in the background, unless it is a reservation kept for the next
+    /// job. A result with its outputs in is `done` before the lease's end is recorded.
     async fn run_on_lease(
         &self,
         req: &JobRequest,
@@ -249,7 +250,7 @@ impl Requester {
             &mut (dyn FnMut(JobEvent) + Send),
             &mut watch::Receiver<bool>,
         ),
-        ahead: &ahead::StreamAhead,
+        (ahead, attempts): (&ahead::StreamAhead, u32),
     ) -> Attempt {
         events(JobEvent::Leased {
             provider: lease.provider.clone(),
@@ -276,6 +277,14 @@ impl Requester {
             .unwrap_or_else(|_| Attempt::Retry(STOPPED_ANSWERING.into()));
         self.observe(lease_key, &lease.provider, &outcome, started.elapsed());
         drop(observing);
+        if let Attempt::Done(report) = &outcome {
+            // The result and outputs are in: a follower that does not wait for the receipt
+            // has them now (what follows is this node's bookkeeping).
+            let summary = self.summary(req, lease, report, started, attempts);
+            events(JobEvent::Done {
+                summary: Box::new(summary),
+            });
+        }
         if req.reservation.is_none() {
             let negotiator = self.negotiator.clone();
             if let (true, Attempt::Done(_), Some(id)) = (provider_ends_lease, &outcome, lease_key) {
@@ -310,7 +319,7 @@ impl Requester {
         &self,
         req: &JobRequest,
         lease: &LeaseView,
-        report: JobReport,
+        report: &JobReport,
         started: Instant,
         attempts: u32,
     ) -> JobSummary {
@@ -320,8 +329,8 @@ impl Requester {
             provider: lease.provider.clone(),
             lease_id: lease.lease_id.clone(),
             exit_code: exit_code(&report.outcome),
-            output_digest: replica_digest(&report),
-            outcome: report.outcome,
+            output_digest: replica_digest(report),
+            outcome: report.outcome.clone(),
             wall_ms,
             run_ms: report.run_ms,
             cost: lease.price_per_gpu_hour * gpus * wall_ms as f64 / 3_600_000.0,
@@ -331,23 +340,18 @@ impl Requester {
             outputs: report.outputs.iter().map(|f| f.path.clone()).collect(),
             attempts,
             module_cached: report.module_cached,
-            gpu: report.gpu,
+            gpu: report.gpu.clone(),
         }
     }
 
     /// `summary` once its receipt is settled (its cost then the receipt's amount), refused,
-    /// or still pending after [`RECEIPT_WAIT`]. The result and the outputs are in before
-    /// that: `done` says so, for a follower that does not wait for the cost.
+    /// or still pending after [`RECEIPT_WAIT`].
     async fn settled(
         &self,
         req: &JobRequest,
         lease: &LeaseView,
         mut summary: JobSummary,
-        events: &mut (dyn FnMut(JobEvent) + Send),
     ) -> JobSummary {
-        events(JobEvent::Done {
-            summary: Box::new(summary.clone()),
-        });
         summary.receipt = match lease.lease_id.parse::<LeaseId>().ok() {
             // Settled once, for the whole reservation, when it ends.
             Some(_) if req.reservation.is_some() => "at the reservation's end".to_string(),
