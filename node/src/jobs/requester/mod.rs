@@ -340,7 +340,7 @@ impl Requester {
             outputs: report.outputs.iter().map(|f| f.path.clone()).collect(),
             attempts,
             module_cached: report.module_cached,
-            gpu: report.gpu.clone(),
+            gpu: report.gpu,
         }
     }
 
