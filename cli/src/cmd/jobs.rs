@@ -32,7 +32,7 @@ pub async fn jobs(data_dir: DataDir, json: bool) -> Result<ExitCode> {
 pub async fn logs(data_dir: DataDir, args: LogsArgs) -> Result<ExitCode> {
     let target = Target::Daemon(Target::require_daemon(&data_dir, JOBS_NEED_DAEMON).await?);
     if args.follow {
-        return match follow(&target, &args.job, (true, Until::Outputs), false).await? {
+        return match follow(&target, &args.job, (true, Until::Settled), false).await? {
             End::Finished(s) => Ok(ExitCode::from(s.exit_code.clamp(0, 255) as u8)),
             End::Failed(e) => anyhow::bail!("job {} failed: {e}", args.job),
         };

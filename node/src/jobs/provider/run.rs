@@ -260,7 +260,7 @@ impl JobService {
                 }
             }
         };
-        let mut files: Vec<JobFile> = outputs.iter().map(|(f, _)| f.clone()).collect();
+        let mut files: Vec<JobFile> = outputs.iter().map(|o| o.file.clone()).collect();
         if let (Some(name), Some(first)) = (misbehaviour.evil_output_name, files.first_mut()) {
             first.path = name.to_string();
         }
@@ -285,9 +285,14 @@ impl JobService {
             gpu: gpu_use,
         };
         framing::write_message(w, &ProviderMsg::Finished(report)).await?;
-        for (file, path) in &outputs {
-            let src = tokio::fs::File::open(path).await?.into_std().await;
-            wire::send_blob(w, src, file.blob.size, |_| {}).await?;
+        for output in &outputs {
+            match &output.bytes {
+                Some(bytes) => wire::send_bytes(w, bytes).await?,
+                None => {
+                    let src = tokio::fs::File::open(&output.path).await?.into_std().await;
+                    wire::send_blob(w, src, output.file.blob.size, |_| {}).await?;
+                }
+            }
         }
         w.flush().await
     }
@@ -553,9 +558,30 @@ fn corrupt_outputs(dir: &Path) -> std::io::Result<()> {
     Ok(())
 }
 
-/// Every regular file under `dir`, with its relative path and hash, sorted by path.
-async fn list_outputs(dir: &Path) -> std::io::Result<Vec<(JobFile, PathBuf)>> {
+/// Small output files held in memory from their hashing to their sending, at most this
+/// much of them in all (the rest are read again as they are sent).
+const OUTPUTS_HELD_BYTES: u64 = 4 << 20;
+
+/// One output file: its entry in the report, where it is, and its bytes when it is small
+/// enough to be sent from memory.
+struct Output {
+    file: JobFile,
+    path: PathBuf,
+    bytes: Option<Vec<u8>>,
+}
+
+/// Every regular file under `dir`, with its relative path and hash, sorted by path: the
+/// whole walk in one trip to a blocking thread.
+async fn list_outputs(dir: &Path) -> std::io::Result<Vec<Output>> {
+    let dir = dir.to_path_buf();
+    tokio::task::spawn_blocking(move || walk_outputs(&dir))
+        .await
+        .map_err(std::io::Error::other)?
+}
+
+fn walk_outputs(dir: &Path) -> std::io::Result<Vec<Output>> {
     let mut files = Vec::new();
+    let mut held = 0u64;
     let mut stack = vec![dir.to_path_buf()];
     while let Some(d) = stack.pop() {
         for entry in std::fs::read_dir(&d)? {
@@ -570,11 +596,57 @@ async fn list_outputs(dir: &Path) -> std::io::Result<Vec<(JobFile, PathBuf)>> {
                     .map_err(std::io::Error::other)?
                     .to_string_lossy()
                     .replace('\\', "/");
-                let blob = wire::hash_file(&path).await?;
-                files.push((JobFile { path: rel, blob }, path));
+                let keep = wire::SMALL_BLOB_BYTES.min(OUTPUTS_HELD_BYTES - held);
+                let (blob, bytes) = wire::hash_file_here(&path, keep)?;
+                held += bytes.as_ref().map_or(0, |b| b.len() as u64);
+                files.push(Output {
+                    file: JobFile { path: rel, blob },
+                    path,
+                    bytes,
+                });
             }
         }
     }
-    files.sort_by(|a, b| a.0.path.cmp(&b.0.path));
+    files.sort_by(|a, b| a.file.path.cmp(&b.file.path));
     Ok(files)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every file is listed with its true hash; small ones are held in memory, up to
+    /// the bound for all of them, and a large one never is.
+    #[test]
+    fn outputs_are_hashed_and_small_ones_held_within_a_bound() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let small = wire::SMALL_BLOB_BYTES as usize;
+        let count = (OUTPUTS_HELD_BYTES as usize / small) + 3;
+        std::fs::create_dir(dir.path().join("sub")).expect("mkdir");
+        for i in 0..count {
+            let data = vec![i as u8; small];
+            std::fs::write(dir.path().join(format!("sub/f{i:03}")), data).expect("write");
+        }
+        let large = vec![7u8; small + 1];
+        std::fs::write(dir.path().join("large"), &large).expect("write");
+        let outputs = walk_outputs(dir.path()).expect("walk");
+        assert_eq!(outputs.len(), count + 1);
+        assert_eq!(outputs[0].file.path, "large");
+        assert_eq!(outputs[0].file.blob.hash, *blake3::hash(&large).as_bytes());
+        assert!(
+            outputs[0].bytes.is_none(),
+            "a large file is read as it is sent"
+        );
+        let mut held = 0;
+        for (i, out) in outputs[1..].iter().enumerate() {
+            let data = vec![i as u8; small];
+            assert_eq!(out.file.path, format!("sub/f{i:03}"));
+            assert_eq!(out.file.blob.hash, *blake3::hash(&data).as_bytes());
+            if let Some(bytes) = &out.bytes {
+                assert_eq!(bytes, &data);
+                held += bytes.len() as u64;
+            }
+        }
+        assert_eq!(held, OUTPUTS_HELD_BYTES, "held up to the bound, no more");
+    }
 }

@@ -125,25 +125,23 @@ impl Requester {
     /// Reads the module and checks here that it is a runnable task, so that an invalid
     /// module never costs a lease.
     async fn read_module(&self, req: &JobRequest) -> Result<Vec<u8>, JobError> {
-        let module = tokio::fs::read(&req.module).await.map_err(|e| {
-            JobError::Invalid(format!(
-                "cannot read task file {}: {e}",
-                req.module.display()
-            ))
-        })?;
+        // Read and checked in one trip to a blocking thread (a module compiled before is
+        // checked from memory: the trip is most of what this costs).
         let exec = self.executor.clone();
-        let bytes = module.clone();
+        let path = req.module.clone();
         let fuel = req.fuel.is_some();
-        tokio::task::spawn_blocking(move || exec.compile(&bytes, fuel))
+        let read_and_checked = tokio::task::spawn_blocking(move || {
+            let module = std::fs::read(&path).map_err(|e| {
+                JobError::Invalid(format!("cannot read task file {}: {e}", path.display()))
+            })?;
+            exec.compile(&module, fuel).map_err(|e| {
+                JobError::Invalid(format!("{} is not a runnable task: {e}", path.display()))
+            })?;
+            Ok(module)
+        });
+        read_and_checked
             .await
             .map_err(|e| JobError::Invalid(e.to_string()))?
-            .map_err(|e| {
-                JobError::Invalid(format!(
-                    "{} is not a runnable task: {e}",
-                    req.module.display()
-                ))
-            })?;
-        Ok(module)
     }
 }
 
