@@ -576,3 +576,47 @@ pub struct DoctorArgs {
     #[arg(long)]
     pub json: bool,
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::{CommandFactory, Parser};
+
+    use super::*;
+
+    /// clap's own checks of every command's definition.
+    #[test]
+    fn the_command_line_is_well_formed() {
+        Cli::command().debug_assert();
+    }
+
+    /// A command takes the global flags on either side of its name, its own flags, and
+    /// refuses what it does not know.
+    #[test]
+    fn commands_parse_their_flags_and_the_global_ones() {
+        let cli = Cli::try_parse_from([
+            "gpunode",
+            "run",
+            "t.wasm",
+            "--data-dir",
+            "/d",
+            "--quiet",
+            "--peer",
+            "P",
+        ])
+        .expect("parses");
+        assert_eq!(cli.data_dir.as_deref(), Some(std::path::Path::new("/d")));
+        let Command::Run(run) = cli.command else {
+            panic!("not run: {:?}", cli.command)
+        };
+        assert!(run.quiet);
+        assert_eq!(run.peer.as_deref(), Some("P"));
+        let cli =
+            Cli::try_parse_from(["gpunode", "--config", "/c", "team", "invite"]).expect("parses");
+        assert_eq!(cli.config.as_deref(), Some(std::path::Path::new("/c")));
+        let err = Cli::try_parse_from(["gpunode", "run", "t.wasm", "--no-such-flag"])
+            .expect_err("refused");
+        assert_eq!(err.kind(), clap::error::ErrorKind::UnknownArgument);
+        let help = Cli::try_parse_from(["gpunode", "run", "--help"]).expect_err("help");
+        assert!(help.to_string().contains("--quiet"), "{help}");
+    }
+}
