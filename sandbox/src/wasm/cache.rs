@@ -69,6 +69,14 @@ impl ModuleCache {
         }
     }
 
+    /// Whether the module under `key` is in memory (it was checked when remembered).
+    pub(crate) fn in_memory(&self, key: &str) -> bool {
+        self.memory
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains_key(key)
+    }
+
     /// Returns the module for `key`, compiling `bytes` with `engine` if needed (kept on
     /// disk; in memory only once [`ModuleCache::remember`]ed).
     pub(crate) fn get_or_compile(

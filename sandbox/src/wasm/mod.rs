@@ -393,6 +393,14 @@ impl WasmExecutor {
         }
     }
 
+    /// Whether `bytes` were compiled and checked here before and are still in memory:
+    /// [`WasmExecutor::compile`] would return them at once, without compiling or a check,
+    /// so a caller may skip its trip to a blocking thread.
+    pub fn checked_in_memory(&self, bytes: &[u8], fuel: bool) -> bool {
+        let hash = blake3::hash(bytes).to_hex().to_string();
+        self.cache.in_memory(&cache_key(&hash, fuel, self.epoch))
+    }
+
     /// Compiles (or fetches from the cache) a `.wasm` or `.wat` module and checks that
     /// it is a WASI command this sandbox can run: every import is a WASI preview 1
     /// function and it exports `_start`. A module already in memory passed the checks.
@@ -711,4 +719,37 @@ pub(crate) fn over_output_limits(dir: &Path, max_bytes: u64, max_files: u64) -> 
         }
     }
     None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const HELLO: &str = r#"(module
+  (import "wasi_snapshot_preview1" "proc_exit" (func $exit (param i32)))
+  (memory (export "memory") 1)
+  (func (export "_start") (call $exit (i32.const 0))))"#;
+
+    /// Only a module compiled and checked here, with the same metering, counts as checked
+    /// in memory; one that fails the checks never does.
+    #[test]
+    fn only_modules_that_passed_the_checks_count_as_checked_in_memory() {
+        let cache = tempfile::tempdir().expect("tmp");
+        let exec = WasmExecutor::new(cache.path()).expect("executor");
+        let hello = HELLO.as_bytes();
+        assert!(!exec.checked_in_memory(hello, false));
+        exec.compile(hello, false).expect("a WASI command");
+        assert!(exec.checked_in_memory(hello, false));
+        assert!(
+            !exec.checked_in_memory(hello, true),
+            "metered is another module"
+        );
+        let mut changed = hello.to_vec();
+        changed.push(b' ');
+        assert!(!exec.checked_in_memory(&changed, false));
+        // Valid wasm, but no `_start`: it fails the checks and is not kept.
+        let no_start = br#"(module (memory (export "memory") 1))"#;
+        exec.compile(no_start, false).expect_err("not a command");
+        assert!(!exec.checked_in_memory(no_start, false));
+    }
 }

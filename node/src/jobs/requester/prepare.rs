@@ -124,9 +124,29 @@ impl Requester {
 
     /// Reads the module and checks here that it is a runnable task, so that an invalid
     /// module never costs a lease.
+    /// The task file's bytes, when it is small and its module was compiled and checked
+    /// here before (still in memory); `None` sends it the long way, which also says what
+    /// is wrong with a file that cannot be read.
+    fn small_module_checked_before(&self, req: &JobRequest) -> Option<Vec<u8>> {
+        use std::io::Read as _;
+        let mut file = std::fs::File::open(&req.module).ok()?;
+        if file.metadata().ok()?.len() > SMALL_MODULE_BYTES {
+            return None;
+        }
+        let mut bytes = Vec::new();
+        (&mut file)
+            .take(SMALL_MODULE_BYTES + 1)
+            .read_to_end(&mut bytes)
+            .ok()?;
+        let small = bytes.len() as u64 <= SMALL_MODULE_BYTES;
+        (small && self.executor.checked_in_memory(&bytes, req.fuel.is_some())).then_some(bytes)
+    }
+
     async fn read_module(&self, req: &JobRequest) -> Result<Vec<u8>, JobError> {
-        // Read and checked in one trip to a blocking thread (a module compiled before is
-        // checked from memory: the trip is most of what this costs).
+        if let Some(module) = self.small_module_checked_before(req) {
+            return Ok(module);
+        }
+        // Read and checked in one trip to a blocking thread.
         let exec = self.executor.clone();
         let path = req.module.clone();
         let fuel = req.fuel.is_some();
@@ -144,6 +164,10 @@ impl Requester {
             .map_err(|e| JobError::Invalid(e.to_string()))?
     }
 }
+
+/// Task files up to this size that this node checked before are read and recognised
+/// here, on the async worker: the hand-off to a blocking thread and back costs more.
+const SMALL_MODULE_BYTES: u64 = 256 << 10;
 
 /// Adds `root` (a file, or a directory walked recursively) to `out`, named by its last
 /// path component.
