@@ -270,7 +270,8 @@ pub struct RunArgs {
     #[arg(long)]
     pub detach: bool,
     /// No progress bars or status lines, only the task's output; with a daemon, returns
-    /// as soon as the outputs are in (the daemon settles the receipt on its own).
+    /// as soon as the outputs are in (not with --replicas), and the daemon settles the
+    /// receipt on its own (`gpunode jobs` shows it running until then).
     #[arg(long, short)]
     pub quiet: bool,
     /// Arguments passed to the task; for container jobs, the command and its arguments.

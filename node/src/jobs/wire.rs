@@ -386,7 +386,10 @@ mod tests {
                 Ok(())
             }
         }
-        let data: Vec<u8> = (0..5000u32).map(|i| i as u8).collect();
+        // Larger than a small blob: the frames go through the disk thread.
+        let data: Vec<u8> = (0..SMALL_BLOB_BYTES as u32 + 5000)
+            .map(|i| i as u8)
+            .collect();
         let mut wire = Vec::new();
         for byte in &data {
             write_data(&mut wire, std::slice::from_ref(byte))
@@ -402,7 +405,7 @@ mod tests {
                 .await
                 .unwrap();
         assert_eq!(out.bytes, data);
-        assert_eq!(out.writes, 1, "5000 one-byte frames, one write");
+        assert_eq!(out.writes, 1, "70,536 one-byte frames, one write");
     }
 
     #[tokio::test]
@@ -440,6 +443,20 @@ mod tests {
         };
         let mut wire = Vec::new();
         send_bytes(&mut wire, &data).await.unwrap();
+        let err =
+            receive_blob::<_, _, RequesterMsg>(&mut &wire[..], Full { room: 100 }, &blob, |_| {})
+                .await
+                .err()
+                .expect("a full disk is an error");
+        assert_eq!(err.kind(), io::ErrorKind::StorageFull);
+        // The same for a small blob, written in one piece.
+        let small = &data[..1000];
+        let blob = BlobRef {
+            hash: *blake3::hash(small).as_bytes(),
+            size: small.len() as u64,
+        };
+        let mut wire = Vec::new();
+        send_bytes(&mut wire, small).await.unwrap();
         let err =
             receive_blob::<_, _, RequesterMsg>(&mut &wire[..], Full { room: 100 }, &blob, |_| {})
                 .await

@@ -239,8 +239,8 @@ impl Requester {
 
     /// Attempt number `attempts` on `lease`, bounded by the lease (a provider that stops
     /// answering without dropping the connection cannot hold the job past it); the lease
-    /// is then released in the background, unless it is a reservation kept for the next
-    /// job. A result with its outputs in is `done` before the lease's end is recorded.
+    /// is then released ([`Requester::release`]), unless it is a reservation kept for the
+    /// next job, and a result with its outputs in is `done`.
     async fn run_on_lease(
         &self,
         req: &JobRequest,
@@ -277,40 +277,48 @@ impl Requester {
             .unwrap_or_else(|_| Attempt::Retry(STOPPED_ANSWERING.into()));
         self.observe(lease_key, &lease.provider, &outcome, started.elapsed());
         drop(observing);
+        if req.reservation.is_none() {
+            self.release(lease, lease_key, &outcome, provider_ends_lease)
+                .await;
+        }
         if let Attempt::Done(report) = &outcome {
-            // The result and outputs are in: a follower that does not wait for the receipt
-            // has them now (what follows is this node's bookkeeping).
+            // The result and outputs are in and the lease is over here: a follower that
+            // does not wait for the receipt has all it needs (a next run finds the
+            // provider free, a daemon stopped now loses nothing of this job but the
+            // receipt, which its provider sends again).
             let summary = self.summary(req, lease, report, started, attempts);
             events(JobEvent::Done {
                 summary: Box::new(summary),
             });
         }
-        if req.reservation.is_none() {
-            let negotiator = self.negotiator.clone();
-            if let (true, Attempt::Done(_), Some(id)) = (provider_ends_lease, &outcome, lease_key) {
-                // Its provider ends the lease with the job: no cancellation to send. The
-                // end is on record here before the run returns, so a provider that bills
-                // past it is refused; if it cannot be recorded, the lease is cancelled.
-                match negotiator.end_here(&id).await {
-                    Ok(()) => return outcome,
-                    Err(e) => tracing::warn!(lease = %id, "cannot mark the lease ended: {e}"),
-                }
-            }
-            let lease_id = lease.lease_id.clone();
-            let release = async move {
-                let _ = negotiator.cancel_lease(&lease_id).await;
-            };
-            if matches!(outcome, Attempt::Done(_)) {
-                // The summary waits for the settled receipt, which this starts.
-                tokio::spawn(release);
-            } else {
-                // A failed attempt returns once its lease is released (bounded): a
-                // requester that exits on the failure, as `gpunode run` without a daemon
-                // does, would otherwise leave the provider's GPUs held until the lease ends.
-                let _ = tokio::time::timeout(RELEASE_WAIT, release).await;
+        outcome
+    }
+
+    /// Ends `lease` after an attempt. When its provider ended it with the job, the end is
+    /// put on record here, so a provider that bills past it is refused; otherwise (an
+    /// older provider, a failed attempt, or the record could not be written) it is
+    /// cancelled, waiting at most [`RELEASE_WAIT`]: a requester that exits next, as
+    /// `gpunode run` without a daemon does, would otherwise leave the provider's GPUs
+    /// held until the lease's end.
+    async fn release(
+        &self,
+        lease: &LeaseView,
+        lease_key: Option<LeaseId>,
+        outcome: &Attempt,
+        provider_ends_lease: bool,
+    ) {
+        let negotiator = self.negotiator.clone();
+        if let (true, Attempt::Done(_), Some(id)) = (provider_ends_lease, outcome, lease_key) {
+            match negotiator.end_here(&id).await {
+                Ok(()) => return,
+                Err(e) => tracing::warn!(lease = %id, "cannot mark the lease ended: {e}"),
             }
         }
-        outcome
+        let lease_id = lease.lease_id.clone();
+        let release = async move {
+            let _ = negotiator.cancel_lease(&lease_id).await;
+        };
+        let _ = tokio::time::timeout(RELEASE_WAIT, release).await;
     }
 
     /// The job's summary before its receipt settles: priced like the lease's maximum (a

@@ -122,15 +122,21 @@ impl Requester {
         Ok(prepared)
     }
 
-    /// Reads the module and checks here that it is a runnable task, so that an invalid
-    /// module never costs a lease.
-    /// The task file's bytes, when it is small and its module was compiled and checked
-    /// here before (still in memory); `None` sends it the long way, which also says what
-    /// is wrong with a file that cannot be read.
+    /// The task file's bytes, when it is a small regular file and its module was compiled
+    /// and checked here before (still in memory); `None` sends it the long way, which
+    /// also says what is wrong with a file that cannot be read. (Opened without waiting,
+    /// and read only when it is a regular file: opening or reading a FIFO would block
+    /// this async worker until a writer came.)
     fn small_module_checked_before(&self, req: &JobRequest) -> Option<Vec<u8>> {
         use std::io::Read as _;
-        let mut file = std::fs::File::open(&req.module).ok()?;
-        if file.metadata().ok()?.len() > SMALL_MODULE_BYTES {
+        use std::os::unix::fs::OpenOptionsExt as _;
+        let mut file = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(&req.module)
+            .ok()?;
+        let meta = file.metadata().ok()?;
+        if !meta.is_file() || meta.len() > SMALL_MODULE_BYTES {
             return None;
         }
         let mut bytes = Vec::new();
@@ -142,6 +148,8 @@ impl Requester {
         (small && self.executor.checked_in_memory(&bytes, req.fuel.is_some())).then_some(bytes)
     }
 
+    /// Reads the module and checks here that it is a runnable task, so that an invalid
+    /// module never costs a lease.
     async fn read_module(&self, req: &JobRequest) -> Result<Vec<u8>, JobError> {
         if let Some(module) = self.small_module_checked_before(req) {
             return Ok(module);
