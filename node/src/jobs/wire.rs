@@ -255,13 +255,18 @@ mod tests {
     use super::*;
     use gpunode_protocol::job::RequesterMsg;
 
+    /// The reference to `data`: its blake3 and length.
+    fn blob_of(data: &[u8]) -> BlobRef {
+        BlobRef {
+            hash: *blake3::hash(data).as_bytes(),
+            size: data.len() as u64,
+        }
+    }
+
     /// Receives `data`, sent whole, then with one byte flipped, cut short, longer than
     /// announced, and broken by a message: only the first is accepted.
     async fn receive_and_attack(data: &[u8]) {
-        let blob = BlobRef {
-            hash: *blake3::hash(data).as_bytes(),
-            size: data.len() as u64,
-        };
+        let blob = blob_of(data);
         let receive = |wire: Vec<u8>, blob: BlobRef| async move {
             receive_blob::<_, _, RequesterMsg>(&mut &wire[..], Vec::new(), &blob, |_| {}).await
         };
@@ -318,10 +323,7 @@ mod tests {
             receive_and_attack(&vec![7u8; size]).await;
         }
         // An empty blob, and one that claims to be empty but is not.
-        let empty = BlobRef {
-            hash: *blake3::hash(b"").as_bytes(),
-            size: 0,
-        };
+        let empty = blob_of(b"");
         let out = receive_blob::<_, _, RequesterMsg>(&mut &[][..], Vec::new(), &empty, |_| {})
             .await
             .unwrap();
@@ -340,10 +342,7 @@ mod tests {
     #[tokio::test]
     async fn a_corrupt_small_blob_is_not_written() {
         let data = vec![9u8; 3000];
-        let blob = BlobRef {
-            hash: *blake3::hash(&data).as_bytes(),
-            size: data.len() as u64,
-        };
+        let blob = blob_of(&data);
         let mut wire = Vec::new();
         send_bytes(&mut wire, &data).await.unwrap();
         wire[100] ^= 1;
@@ -396,10 +395,7 @@ mod tests {
                 .await
                 .unwrap();
         }
-        let blob = BlobRef {
-            hash: *blake3::hash(&data).as_bytes(),
-            size: data.len() as u64,
-        };
+        let blob = blob_of(&data);
         let out =
             receive_blob::<_, _, RequesterMsg>(&mut &wire[..], Counting::default(), &blob, |_| {})
                 .await
@@ -439,10 +435,7 @@ mod tests {
         }
         // Through the disk thread, and a small blob written in one piece.
         for sent in [&data[..], &data[..1000]] {
-            let blob = BlobRef {
-                hash: *blake3::hash(sent).as_bytes(),
-                size: sent.len() as u64,
-            };
+            let blob = blob_of(sent);
             let mut wire = Vec::new();
             send_bytes(&mut wire, sent).await.unwrap();
             let full = Full { room: 100 };

@@ -206,11 +206,18 @@ impl Requester {
             };
             let started = Instant::now();
             let outcome = self
-                .run_on_lease(req, prepared, &lease, (events, cancel), (&ahead, attempt))
+                .run_on_lease(req, prepared, &lease, (events, cancel), &ahead)
                 .await;
             match outcome {
                 Attempt::Done(report) => {
+                    // The result and outputs are in and the lease is over here: a
+                    // follower that does not wait for the receipt has all it needs (a
+                    // next run finds the provider free; a daemon stopped now loses
+                    // nothing of this job but the receipt, which its provider sends again).
                     let summary = self.summary(req, &lease, &report, started, attempt);
+                    events(JobEvent::Done {
+                        summary: Box::new(summary.clone()),
+                    });
                     return Ok(self.settled(req, &lease, summary).await);
                 }
                 Attempt::Fatal(why) => return Err(JobError::Failed(why)),
@@ -237,10 +244,10 @@ impl Requester {
         }
     }
 
-    /// Attempt number `attempts` on `lease`, bounded by the lease (a provider that stops
-    /// answering without dropping the connection cannot hold the job past it); the lease
-    /// is then released ([`Requester::release`]), unless it is a reservation kept for the
-    /// next job, and a result with its outputs in is `done`.
+    /// One attempt on `lease`, bounded by the lease (a provider that stops answering
+    /// without dropping the connection cannot hold the job past it); the lease is then
+    /// released ([`Requester::release`]), unless it is a reservation kept for the next
+    /// job.
     async fn run_on_lease(
         &self,
         req: &JobRequest,
@@ -250,7 +257,7 @@ impl Requester {
             &mut (dyn FnMut(JobEvent) + Send),
             &mut watch::Receiver<bool>,
         ),
-        (ahead, attempts): (&ahead::StreamAhead, u32),
+        ahead: &ahead::StreamAhead,
     ) -> Attempt {
         events(JobEvent::Leased {
             provider: lease.provider.clone(),
@@ -280,16 +287,6 @@ impl Requester {
         if req.reservation.is_none() {
             self.release(lease, lease_key, &outcome, provider_ends_lease)
                 .await;
-        }
-        if let Attempt::Done(report) = &outcome {
-            // The result and outputs are in and the lease is over here: a follower that
-            // does not wait for the receipt has all it needs (a next run finds the
-            // provider free, a daemon stopped now loses nothing of this job but the
-            // receipt, which its provider sends again).
-            let summary = self.summary(req, lease, report, started, attempts);
-            events(JobEvent::Done {
-                summary: Box::new(summary),
-            });
         }
         outcome
     }
