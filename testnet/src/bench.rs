@@ -8,7 +8,7 @@ use gpunode_node::NodeHandle;
 use gpunode_protocol::advert::OfferFilter;
 use serde::Serialize;
 
-use crate::{TestNet, TestNetConfig, TestNode, Transport};
+use crate::{cpu_seconds, roomy, TestNet, TestNetConfig, TestNode, Transport};
 
 /// GPU models spread over benchmark networks, so no capability key has more than
 /// Kademlia's 20 providers at 200 nodes (a response carries at most k = 20 providers).
@@ -289,6 +289,24 @@ pub struct LeaseReport {
     pub receipts_settled_per_s: f64,
     /// Whether the requesters' stores were on disk too (else in memory).
     pub durable_requesters: bool,
+    /// Seconds into the throughput run after which every lease that ends has had time to
+    /// settle (the lease's length and a second), so settlement runs as in a long run:
+    /// the `steady_` figures count from here. `None` when the run is not longer.
+    pub steady_from_s: Option<f64>,
+    /// Leases granted per second after `steady_from_s`.
+    pub steady_leases_per_s: Option<f64>,
+    /// Receipts settled per second after `steady_from_s`.
+    pub steady_receipts_settled_per_s: Option<f64>,
+    /// CPU time the whole process (provider, requesters, their connections) spent per
+    /// lease granted, µs: after `steady_from_s` where the run has it, else the whole run.
+    pub cpu_us_per_lease: f64,
+    /// Worker threads of the provider's own runtime (`--provider-threads`); 0: it
+    /// shared the requesters' runtime.
+    pub provider_threads: usize,
+    /// With a runtime of its own: the provider's CPU time per lease granted (its event
+    /// loop, connections, store, settlement; not the requesters'), µs, over the same
+    /// window as `cpu_us_per_lease`.
+    pub provider_cpu_us_per_lease: Option<f64>,
 }
 
 /// Lease negotiation between nodes on loopback over QUIC, the provider's store on disk
@@ -300,16 +318,28 @@ pub async fn lease(
     seconds: u64,
     lease_ms: u64,
     durable_requesters: bool,
+    provider_threads: usize,
 ) -> Result<LeaseReport> {
-    fn roomy(_: usize, c: &mut gpunode_node::NodeConfig) {
-        c.cpu_cores = Some(1_000_000);
-        c.ram = Some(1 << 50);
-        c.allowance = 1e9;
-    }
     let mut config = TestNetConfig::new(vec![Some("1xA100-80GB".to_string())]);
     config.tweak = Some(roomy);
     config.inventory_poll = Duration::from_secs(5);
     config.ephemeral_store = std::env::var("BENCH_EPHEMERAL").is_ok();
+    let provider_runtime = (provider_threads > 0)
+        .then(|| {
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(provider_threads)
+                .thread_name(PROVIDER_THREADS)
+                // Idle blocking threads stay, so none leaves with its CPU time uncounted.
+                .thread_keep_alive(Duration::from_secs(3600))
+                .enable_all()
+                .build()
+                .map(|r| OwnRuntime(Some(r)))
+        })
+        .transpose()?;
+    config.first_node_runtime = provider_runtime
+        .as_ref()
+        .and_then(|r| r.0.as_ref())
+        .map(|r| r.handle().clone());
     let mut net = TestNet::configured(config)
         .with_clients(if durable_requesters {
             0
@@ -340,51 +370,142 @@ pub async fn lease(
     }
     times.sort_by(f64::total_cmp);
     let accounts = net.provider(0).handle.accounts();
-    let settled_before = accounts.ledger.head().seq;
-    let (ok, failed, elapsed) = lease_flood(&clients, &spec, seconds).await?;
-    let settled = accounts.ledger.head().seq - settled_before;
+    let steady_from = Duration::from_millis(lease_ms) + Duration::from_secs(1);
+    let steady = (steady_from < Duration::from_secs(seconds)).then_some(steady_from);
+    let sample = || Sample {
+        at: Instant::now(),
+        settled: accounts.ledger.head().seq,
+        cpu: cpu_seconds(None),
+        provider_cpu: cpu_seconds(Some(PROVIDER_THREADS)),
+    };
+    let start = sample();
+    let at_steady = async {
+        match steady {
+            Some(after) => {
+                tokio::time::sleep_until((start.at + after).into()).await;
+                Some(sample())
+            }
+            None => None,
+        }
+    };
+    let (flood, at_steady) = tokio::join!(
+        lease_flood(&clients, &spec, seconds, steady.map(|d| start.at + d)),
+        at_steady
+    );
+    let flood = flood?;
+    let end = sample();
+    let whole = (flood.ok as f64) / (end.at - start.at).as_secs_f64();
+    let steady_rates = at_steady.as_ref().map(|from| {
+        let secs = (end.at - from.at).as_secs_f64();
+        (
+            flood.steady_ok as f64 / secs,
+            (end.settled - from.settled) as f64 / secs,
+        )
+    });
+    let (from, leases) = match &at_steady {
+        Some(from) => (from, flood.steady_ok),
+        None => (&start, flood.ok),
+    };
+    let per_lease = |seconds: f64| seconds * 1e6 / leases.max(1) as f64;
     let report = LeaseReport {
         round_trips,
         median_ms: percentile(&times, 0.5),
         p99_ms: percentile(&times, 0.99),
         requesters: clients.len(),
-        leases_per_s: ok as f64 / elapsed,
-        failures: failed,
-        receipts_settled_per_s: settled as f64 / elapsed,
+        leases_per_s: whole,
+        failures: flood.failed,
+        receipts_settled_per_s: (end.settled - start.settled) as f64
+            / (end.at - start.at).as_secs_f64(),
         durable_requesters,
+        steady_from_s: steady.map(|d| d.as_secs_f64()),
+        steady_leases_per_s: steady_rates.map(|r| r.0),
+        steady_receipts_settled_per_s: steady_rates.map(|r| r.1),
+        cpu_us_per_lease: per_lease(end.cpu - from.cpu),
+        provider_threads,
+        provider_cpu_us_per_lease: provider_runtime
+            .as_ref()
+            .map(|_| per_lease(end.provider_cpu - from.provider_cpu)),
     };
     net.shutdown().await;
+    drop(provider_runtime);
     Ok(report)
 }
 
-/// Every client asks for `spec` again and again for `seconds`; the leases granted, the
-/// requests refused and the seconds it took.
+/// A runtime started from inside another one's task, where dropping it the usual way
+/// would panic (it waits for its threads): it is let go without waiting, on every path
+/// out, errors included.
+struct OwnRuntime(Option<tokio::runtime::Runtime>);
+
+impl Drop for OwnRuntime {
+    fn drop(&mut self) {
+        if let Some(runtime) = self.0.take() {
+            runtime.shutdown_background();
+        }
+    }
+}
+
+/// Thread name of the lease bench provider's own runtime (`--provider-threads`).
+const PROVIDER_THREADS: &str = "provider-node";
+
+/// The ledger's length and the CPU time used, at one moment of a lease run.
+struct Sample {
+    at: Instant,
+    settled: u64,
+    cpu: f64,
+    provider_cpu: f64,
+}
+
+/// What a lease flood got.
+struct Flood {
+    /// Leases granted.
+    ok: usize,
+    /// Leases granted at or after the flood's `steady` instant.
+    steady_ok: usize,
+    /// Requests refused or failed.
+    failed: usize,
+}
+
+/// Every client asks for `spec` again and again for `seconds`.
 async fn lease_flood(
     clients: &[NodeHandle],
     spec: &gpunode_node::LeaseSpec,
     seconds: u64,
-) -> Result<(usize, usize, f64)> {
+    steady: Option<Instant>,
+) -> Result<Flood> {
     let stop = Instant::now() + Duration::from_secs(seconds);
     let mut tasks = Vec::new();
     for handle in clients {
         let (handle, spec) = (handle.clone(), spec.clone());
         tasks.push(tokio::spawn(async move {
-            let (mut ok, mut failed) = (0usize, 0usize);
+            let mut got = Flood {
+                ok: 0,
+                steady_ok: 0,
+                failed: 0,
+            };
             while Instant::now() < stop {
                 match handle.request_lease(spec.clone()).await {
-                    Ok(_) => ok += 1,
-                    Err(_) => failed += 1,
+                    Ok(_) => {
+                        got.ok += 1;
+                        if steady.is_some_and(|at| Instant::now() >= at) {
+                            got.steady_ok += 1;
+                        }
+                    }
+                    Err(_) => got.failed += 1,
                 }
             }
-            (ok, failed)
+            got
         }));
     }
-    let started = Instant::now();
-    let (mut ok, mut failed) = (0, 0);
+    let mut all = Flood {
+        ok: 0,
+        steady_ok: 0,
+        failed: 0,
+    };
     for t in tasks {
-        let (o, f) = t.await?;
-        ok += o;
-        failed += f;
+        let got = t.await?;
+        all.ok += got.ok;
+        all.steady_ok += got.steady_ok;
+        all.failed += got.failed;
     }
-    Ok((ok, failed, started.elapsed().as_secs_f64()))
+    Ok(all)
 }

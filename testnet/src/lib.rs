@@ -70,6 +70,10 @@ pub struct TestNetConfig {
     pub tweak: Option<fn(usize, &mut NodeConfig)>,
     /// Makes node `i` cheat (lie about usage, corrupt outputs), to test that it is caught.
     pub misbehaviour: Option<fn(usize) -> Misbehaviour>,
+    /// Runs node 0 (every task it spawns, its blocking work too) on this runtime instead
+    /// of the caller's, so a benchmark can count that node's CPU time apart from the
+    /// rest of the network's ([`cpu_seconds`]).
+    pub first_node_runtime: Option<tokio::runtime::Handle>,
 }
 
 impl TestNetConfig {
@@ -84,6 +88,7 @@ impl TestNetConfig {
             batch: 20,
             tweak: None,
             misbehaviour: None,
+            first_node_runtime: None,
         }
     }
 }
@@ -238,6 +243,51 @@ async fn wait_for_listen_addr(handle: &NodeHandle) -> Result<String> {
     bail!("node did not start listening within 2s")
 }
 
+/// A node config tweak ([`TestNetConfig::tweak`]): room for as many CPU-only leases as
+/// a run asks for (a million cores, 1 PiB of memory, a billion credits of allowance).
+pub fn roomy(_: usize, c: &mut NodeConfig) {
+    c.cpu_cores = Some(1_000_000);
+    c.ram = Some(1 << 50);
+    c.allowance = 1e9;
+}
+
+/// CPU time (user and system, seconds) used so far by this whole process (`None`, its
+/// exited threads included), or by its live threads whose name starts with `prefix` (a
+/// runtime's `thread_name`), from `/proc/self`. 0 where `/proc` cannot be read.
+pub fn cpu_seconds(prefix: Option<&str>) -> f64 {
+    let Some(prefix) = prefix else {
+        return std::fs::read_to_string("/proc/self/stat")
+            .map(|stat| stat_cpu_seconds(&stat, None))
+            .unwrap_or(0.0);
+    };
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return 0.0;
+    };
+    tasks
+        .flatten()
+        .filter_map(|task| std::fs::read_to_string(task.path().join("stat")).ok())
+        .map(|stat| stat_cpu_seconds(&stat, Some(prefix)))
+        .sum()
+}
+
+/// utime + stime of one `/proc/.../stat` line, in seconds; 0 when its name does not start
+/// with `prefix` or the line does not parse.
+fn stat_cpu_seconds(stat: &str, prefix: Option<&str>) -> f64 {
+    // USER_HZ, the unit of these fields, is 100 on Linux whatever the kernel's tick.
+    const TICKS_PER_S: f64 = 100.0;
+    // "pid (name) state ppid ...": the name may hold spaces or parentheses, so split at
+    // the last ')'; utime and stime are fields 14 and 15.
+    let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
+        return 0.0;
+    };
+    if prefix.is_some_and(|p| !stat[open + 1..close].starts_with(p)) {
+        return 0.0;
+    }
+    let fields: Vec<&str> = stat[close + 1..].split_whitespace().collect();
+    let field = |n: usize| fields.get(n - 3).and_then(|f| f.parse::<u64>().ok());
+    (field(14).unwrap_or(0) + field(15).unwrap_or(0)) as f64 / TICKS_PER_S
+}
+
 /// A network of in-process nodes: providers, and the clients the test added to it.
 pub struct TestNet {
     /// The nodes, in start order; node 0 is everyone's bootstrap peer.
@@ -253,7 +303,16 @@ impl TestNet {
         let specs = config.gpus.clone();
         let mut iter = specs.iter();
         if let Some(first) = iter.next() {
-            nodes.push(start_node(&config, 0, first.as_ref(), &[]).await?);
+            let node = match &config.first_node_runtime {
+                Some(runtime) => {
+                    let (config, first) = (config.clone(), first.clone());
+                    runtime
+                        .spawn(async move { start_node(&config, 0, first.as_ref(), &[]).await })
+                        .await??
+                }
+                None => start_node(&config, 0, first.as_ref(), &[]).await?,
+            };
+            nodes.push(node);
         }
         let bootstrap = nodes
             .first()
@@ -392,5 +451,51 @@ impl TestNet {
     pub async fn shutdown(mut self) {
         futures::future::join_all(self.clients.iter_mut().map(TestNode::shutdown)).await;
         futures::future::join_all(self.nodes.iter_mut().map(TestNode::shutdown)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_time_is_read_past_a_name_with_spaces_and_parentheses() {
+        // Fields after the name: state(3) ppid pgrp session tty tpgid flags minflt
+        // cminflt majflt cmajflt utime(14) stime(15) cutime ...
+        let stat = "4242 (a (b) c) S 1 1 1 0 -1 4194560 10 0 0 0 250 50 7 9 20 0";
+        assert_eq!(stat_cpu_seconds(stat, None), 3.0);
+        assert_eq!(stat_cpu_seconds(stat, Some("a (b")), 3.0);
+        assert_eq!(stat_cpu_seconds(stat, Some("provider")), 0.0);
+        assert_eq!(stat_cpu_seconds("garbage", None), 0.0);
+        assert_eq!(stat_cpu_seconds("1 (x) S 1", None), 0.0);
+    }
+
+    #[test]
+    fn a_runtime_of_its_own_counts_its_threads_cpu_time_apart() {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("cpu-test-rt")
+            .build()
+            .expect("runtime");
+        // Spin on the runtime's thread until its counted CPU time passes 0.2 s; a count
+        // that misses the thread never gets there and the deadline fails the test.
+        let spin = runtime.spawn(async {
+            let deadline = std::time::Instant::now() + Duration::from_secs(60);
+            let mut x = 0u64;
+            loop {
+                let counted = cpu_seconds(Some("cpu-test-rt"));
+                if counted >= 0.2 {
+                    return counted;
+                }
+                assert!(std::time::Instant::now() < deadline, "counted {counted} s");
+                for _ in 0..1_000_000 {
+                    x = std::hint::black_box(x.wrapping_add(1));
+                }
+            }
+        });
+        let own = runtime.block_on(spin).expect("spin");
+        assert!(cpu_seconds(None) >= own);
+        assert!(cpu_seconds(Some("cpu-test-rt")) >= own);
+        assert_eq!(cpu_seconds(Some("no-such-thread-name")), 0.0);
     }
 }

@@ -107,6 +107,11 @@ enum Bench {
         /// flushed as in production); by default only the provider's store is.
         #[arg(long)]
         durable_requesters: bool,
+        /// Run the provider on a runtime of its own with this many worker threads and
+        /// report its CPU time per lease apart from the requesters' (0: one runtime for
+        /// all, as before).
+        #[arg(long, default_value_t = 0)]
+        provider_threads: usize,
     },
     /// An honest job's time while one peer floods the provider with idle job streams
     /// and connection attempts, next to the quiet figure.
@@ -345,12 +350,14 @@ fn bench(which: Bench) -> Result<()> {
             seconds,
             lease_ms,
             durable_requesters,
+            provider_threads,
         } => print(&runtime()?.block_on(testnet::bench::lease(
             round_trips,
             requesters,
             seconds,
             lease_ms,
             durable_requesters,
+            provider_threads,
         ))?),
         Bench::Flood {
             runs,

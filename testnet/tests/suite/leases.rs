@@ -485,3 +485,53 @@ async fn provider_restart_keeps_leases_and_their_gpus() {
     client.request_lease(s).await.expect("the second T4");
     net.shutdown().await;
 }
+
+/// The lease bench counts the provider's CPU time apart by running it on a runtime of
+/// its own (`--provider-threads`): such a node grants leases like any other, and its
+/// work shows on that runtime's threads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_provider_on_a_runtime_of_its_own_grants_leases_on_its_own_threads() {
+    const NAME: &str = "own-rt-lessor";
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name(NAME)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let mut config = testnet::TestNetConfig::new(vec![Some("1xA100-80GB".to_string())]);
+    config.tweak = Some(testnet::roomy);
+    config.first_node_runtime = Some(runtime.handle().clone());
+    let net = TestNet::configured(config)
+        .with_clients(1)
+        .start()
+        .await
+        .expect("start");
+    let spec = LeaseSpec::new(0, 1_000)
+        .peer(net.provider_id(0))
+        .cpus(1)
+        .mem_bytes(1 << 20);
+    // Twenty leases, and more until the provider's threads have used 50 ms of CPU more
+    // than its start took (USER_HZ steps of 10 ms): a provider whose work ran elsewhere
+    // never gets there.
+    let started = testnet::cpu_seconds(Some(NAME));
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let mut granted = 0;
+    while granted < 20 || testnet::cpu_seconds(Some(NAME)) - started < 0.05 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{granted} leases granted, provider threads counted {} s after {started} s",
+            testnet::cpu_seconds(Some(NAME))
+        );
+        let lease = net
+            .client(0)
+            .handle
+            .request_lease(spec.clone())
+            .await
+            .expect("lease granted");
+        assert_eq!(lease.state, LeaseState::Active);
+        granted += 1;
+    }
+    assert!(testnet::cpu_seconds(None) > testnet::cpu_seconds(Some(NAME)));
+    net.shutdown().await;
+    runtime.shutdown_background();
+}
