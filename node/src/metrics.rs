@@ -74,6 +74,11 @@ pub struct Metrics {
     pub peer_state: Family<Vec<(String, String)>, Gauge>,
     /// Hole punches over relayed connections, by result (`success`, `failure`).
     pub hole_punches: Family<Vec<(String, String)>, Counter>,
+    /// This node's Kademlia bootstrap walks, by walk: the lookup of its own key, and the
+    /// far-bucket walks libp2p adds, which the node ends before they send anything.
+    pub dht_bootstrap_walks: Family<Vec<(String, String)>, Counter>,
+    /// The Kademlia requests those walks sent, by walk.
+    pub dht_bootstrap_requests: Family<Vec<(String, String)>, Counter>,
     /// Team relays holding a reservation for this node.
     pub relay_reservations: Gauge,
 }
@@ -237,6 +242,18 @@ impl Metrics {
             "Hole punches (DCUtR) over relayed connections, by result",
             hole_punches.clone(),
         );
+        let dht_bootstrap_walks = Family::<Vec<(String, String)>, Counter>::default();
+        registry.register(
+            "dht_bootstrap_walks",
+            "Kademlia bootstrap walks, by walk (own_key; far_bucket, ended unsent)",
+            dht_bootstrap_walks.clone(),
+        );
+        let dht_bootstrap_requests = Family::<Vec<(String, String)>, Counter>::default();
+        registry.register(
+            "dht_bootstrap_requests",
+            "Kademlia requests of bootstrap walks, by walk (own_key, far_bucket)",
+            dht_bootstrap_requests.clone(),
+        );
         let relay_reservations = Gauge::default();
         registry.register(
             "relay_reservations",
@@ -246,6 +263,8 @@ impl Metrics {
         let gpus = GpuGauges::register(&mut registry);
         Arc::new(Metrics {
             hole_punches,
+            dht_bootstrap_walks,
+            dht_bootstrap_requests,
             relay_reservations,
             peer_state,
             streams_refused,
@@ -289,6 +308,25 @@ impl Metrics {
         self.hole_punches
             .get_or_create(&vec![("result".to_string(), result.to_string())])
             .get()
+    }
+
+    /// Counts one bootstrap walk of kind `walk` (`own_key`, `far_bucket`) that sent
+    /// `requests`.
+    pub fn dht_bootstrap_walk(&self, walk: &str, requests: u32) {
+        let labels = vec![("walk".to_string(), walk.to_string())];
+        self.dht_bootstrap_walks.get_or_create(&labels).inc();
+        self.dht_bootstrap_requests
+            .get_or_create(&labels)
+            .inc_by(u64::from(requests));
+    }
+
+    /// This node's bootstrap walks of kind `walk`, and the requests they sent.
+    pub fn dht_bootstrap_counts(&self, walk: &str) -> (u64, u64) {
+        let labels = vec![("walk".to_string(), walk.to_string())];
+        (
+            self.dht_bootstrap_walks.get_or_create(&labels).get(),
+            self.dht_bootstrap_requests.get_or_create(&labels).get(),
+        )
     }
 
     /// Counts a queue-turn notice under `result`.

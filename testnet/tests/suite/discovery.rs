@@ -284,3 +284,59 @@ async fn a_provider_counts_the_peers_that_hold_its_advert() {
     }
     net.shutdown().await;
 }
+
+/// A node's Kademlia bootstrap looks up its own key and ends the walks to the farther
+/// buckets before they send anything (they meshed a network of 200 while it formed),
+/// and the network still finds every provider.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bootstrap_looks_up_the_own_key_and_sends_nothing_for_far_buckets() {
+    let specs: Vec<Option<String>> = specs().into_iter().take(6).collect();
+    let net = TestNet::configured(TestNetConfig::new(specs))
+        .with_clients(1)
+        .start()
+        .await
+        .expect("start");
+    let all = TestNet::wait_for_offers(
+        &net.client(0).handle,
+        &OfferFilter::default(),
+        Duration::from_secs(30),
+        |o| o.len() == 6,
+    )
+    .await
+    .expect("every provider found");
+    assert_eq!(ids(&all), peers_of(&net, &[0, 1, 2, 3, 4, 5]));
+
+    let nodes: Vec<_> = (0..6)
+        .map(|i| net.provider(i))
+        .chain(net.clients())
+        .collect();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while nodes
+        .iter()
+        .any(|n| n.handle.metrics().dht_bootstrap_counts("own_key").0 == 0)
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "a node never finished the lookup of its own key"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let mut far_walks = 0;
+    for (i, node) in nodes.iter().enumerate() {
+        let (_, own_requests) = node.handle.metrics().dht_bootstrap_counts("own_key");
+        let (walks, requests) = node.handle.metrics().dht_bootstrap_counts("far_bucket");
+        assert!(
+            own_requests > 0,
+            "node {i}: the lookup of its own key sent no request"
+        );
+        assert_eq!(
+            requests, 0,
+            "node {i}: {walks} far-bucket walks sent requests"
+        );
+        far_walks += walks;
+    }
+    // Six providers and a client at random places: some node's nearest peer is not in
+    // its farthest bucket, so libp2p started far-bucket walks, and each was ended.
+    assert!(far_walks > 0, "no far-bucket walk was started at all");
+    net.shutdown().await;
+}
