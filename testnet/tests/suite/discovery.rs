@@ -285,9 +285,9 @@ async fn a_provider_counts_the_peers_that_hold_its_advert() {
     net.shutdown().await;
 }
 
-/// A node's Kademlia bootstrap looks up its own key and ends the walks to the farther
-/// buckets before they send anything (they meshed a network of 200 while it formed),
-/// and the network still finds every provider.
+/// A joining node's Kademlia bootstrap looks up its own key and ends the walks to the
+/// farther buckets before they send anything (they meshed a network of 200 while it
+/// formed), and the network still finds every provider.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bootstrap_looks_up_the_own_key_and_sends_nothing_for_far_buckets() {
     let specs: Vec<Option<String>> = specs().into_iter().take(6).collect();
@@ -310,18 +310,23 @@ async fn a_bootstrap_looks_up_the_own_key_and_sends_nothing_for_far_buckets() {
         .map(|i| net.provider(i))
         .chain(net.clients())
         .collect();
+    // Six providers and a client at random places: some node's nearest peer is not in
+    // its farthest bucket, so libp2p starts far-bucket walks after the own-key lookup.
+    let counts = |walk| {
+        nodes
+            .iter()
+            .map(move |n| n.handle.metrics().dht_bootstrap_counts(walk))
+    };
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while nodes
-        .iter()
-        .any(|n| n.handle.metrics().dht_bootstrap_counts("own_key").0 == 0)
+    while counts("own_key").any(|(walks, _)| walks == 0)
+        || counts("far_bucket").map(|(walks, _)| walks).sum::<u64>() == 0
     {
         assert!(
             tokio::time::Instant::now() < deadline,
-            "a node never finished the lookup of its own key"
+            "no far-bucket walk, or a node without the lookup of its own key"
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let mut far_walks = 0;
     for (i, node) in nodes.iter().enumerate() {
         let (_, own_requests) = node.handle.metrics().dht_bootstrap_counts("own_key");
         let (walks, requests) = node.handle.metrics().dht_bootstrap_counts("far_bucket");
@@ -333,10 +338,6 @@ async fn a_bootstrap_looks_up_the_own_key_and_sends_nothing_for_far_buckets() {
             requests, 0,
             "node {i}: {walks} far-bucket walks sent requests"
         );
-        far_walks += walks;
     }
-    // Six providers and a client at random places: some node's nearest peer is not in
-    // its farthest bucket, so libp2p started far-bucket walks, and each was ended.
-    assert!(far_walks > 0, "no far-bucket walk was started at all");
     net.shutdown().await;
 }
