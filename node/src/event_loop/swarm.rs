@@ -21,10 +21,12 @@ use crate::network::{NodeBehaviour, NodeBehaviourEvent};
 /// The most distinct observed addresses kept (a peer may report anything).
 const MAX_OBSERVED_ADDRS: usize = 8;
 
-/// How long after its start a node ends its bootstraps' far-bucket walks (see
+/// How long after its start a provider ends its bootstraps' far-bucket walks (see
 /// [`end_bootstrap_walk`]). libp2p bootstraps again 5 min after the last bootstrap
 /// started; from the first of those on, far buckets are refreshed as libp2p does, one
-/// node at a time instead of a whole forming network at once.
+/// node at a time instead of a whole forming network at once. A client (Kademlia client
+/// mode) runs them always: nobody walks to it, so its routing table has only what its
+/// own walks find, and one client's walks do not mesh a network.
 const JOINING: Duration = Duration::from_secs(4 * 60);
 
 /// Addresses gpunode peers report seeing this node at (identify), newest first, distinct
@@ -223,7 +225,7 @@ impl EventLoop {
                         "far_bucket"
                     };
                     self.metrics.dht_bootstrap_walk(walk, stats.num_requests());
-                    if !step.last && self.started_at.elapsed() < JOINING {
+                    if !step.last && self.kad_server && self.started_at.elapsed() < JOINING {
                         end_bootstrap_walk(&mut self.swarm, id);
                     }
                 }
