@@ -75,8 +75,8 @@ pub struct Metrics {
     /// Hole punches over relayed connections, by result (`success`, `failure`).
     pub hole_punches: Family<Vec<(String, String)>, Counter>,
     /// This node's Kademlia bootstrap walks, by walk: the lookup of its own key, and the
-    /// far-bucket walks libp2p adds, which a joining provider ends before they send
-    /// anything.
+    /// far-bucket walks libp2p adds, which a joining node in Kademlia server mode ends
+    /// before they send anything.
     pub dht_bootstrap_walks: Family<Vec<(String, String)>, Counter>,
     /// The Kademlia requests those walks sent, by walk.
     pub dht_bootstrap_requests: Family<Vec<(String, String)>, Counter>,
@@ -246,7 +246,7 @@ impl Metrics {
         let dht_bootstrap_walks = Family::<Vec<(String, String)>, Counter>::default();
         registry.register(
             "dht_bootstrap_walks",
-            "Kademlia bootstrap walks, by walk (own_key; far_bucket, ended unsent by a joining provider)",
+            "Kademlia bootstrap walks, by walk (own_key; far_bucket, ended unsent by a joining server)",
             dht_bootstrap_walks.clone(),
         );
         let dht_bootstrap_requests = Family::<Vec<(String, String)>, Counter>::default();

@@ -21,12 +21,12 @@ use crate::network::{NodeBehaviour, NodeBehaviourEvent};
 /// The most distinct observed addresses kept (a peer may report anything).
 const MAX_OBSERVED_ADDRS: usize = 8;
 
-/// How long after its start a provider ends its bootstraps' far-bucket walks (see
-/// [`end_bootstrap_walk`]). libp2p bootstraps again 5 min after the last bootstrap
-/// started; from the first of those on, far buckets are refreshed as libp2p does, one
-/// node at a time instead of a whole forming network at once. A client (Kademlia client
-/// mode) runs them always: nobody walks to it, so its routing table has only what its
-/// own walks find, and one client's walks do not mesh a network.
+/// How long after its start a node in Kademlia server mode (a provider that peers can
+/// reach) ends its bootstraps' far-bucket walks (see [`end_bootstrap_walk`]). libp2p
+/// bootstraps again 5 min after the last bootstrap started; from the first of those on,
+/// far buckets are refreshed as libp2p does. A node in client mode (a client, or a
+/// provider behind NAT) runs them always: nobody walks to it, so its routing table
+/// holds only what its own walks find, and one such node's walks do not mesh a network.
 const JOINING: Duration = Duration::from_secs(4 * 60);
 
 /// Addresses gpunode peers report seeing this node at (identify), newest first, distinct
@@ -225,7 +225,8 @@ impl EventLoop {
                         "far_bucket"
                     };
                     self.metrics.dht_bootstrap_walk(walk, stats.num_requests());
-                    if !step.last && self.kad_server && self.started_at.elapsed() < JOINING {
+                    let server = self.swarm.behaviour().kad.mode() == kad::Mode::Server;
+                    if !step.last && server && self.started_at.elapsed() < JOINING {
                         end_bootstrap_walk(&mut self.swarm, id);
                     }
                 }
@@ -364,12 +365,12 @@ impl Redial {
 /// Ends the walk a Kademlia bootstrap has just started. libp2p's bootstrap looks up the
 /// node's own key, then walks to a random key in every farther bucket, one after
 /// another; each of those walks opens connections to some twenty peers around its key,
-/// so every node that joined a network of 200 ended up connected to all the others, and
-/// that mesh's handshakes took about a third of the time the network took to form. The
-/// lookup of the own key, and the walks of publication and searches, fill the routing
-/// table meanwhile: the peers that answer on the way from the bootstrap peer lie in the
-/// far buckets. A walk ended here ends before it sends anything, and the bootstrap goes
-/// on to the next.
+/// and with publication's walks every node that joined a network of 200 ended up
+/// connected to all the others. Without these walks such a network forms in about two
+/// thirds of the time. The lookup of the own key, and the walks of publication and
+/// searches, fill the routing table meanwhile: the peers that answer on the way from
+/// the bootstrap peer lie in the far buckets. A walk ended here ends before it sends
+/// anything, and the bootstrap goes on to the next.
 fn end_bootstrap_walk(swarm: &mut Swarm<NodeBehaviour>, id: kad::QueryId) {
     if let Some(mut query) = swarm.behaviour_mut().kad.query_mut(&id) {
         query.finish();

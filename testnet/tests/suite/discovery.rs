@@ -292,7 +292,7 @@ async fn a_provider_counts_the_peers_that_hold_its_advert() {
 async fn a_joining_providers_bootstrap_sends_nothing_for_far_buckets() {
     let specs: Vec<Option<String>> = specs().into_iter().take(6).collect();
     let net = TestNet::configured(TestNetConfig::new(specs))
-        .with_clients(1)
+        .with_clients(3)
         .start()
         .await
         .expect("start");
@@ -306,45 +306,57 @@ async fn a_joining_providers_bootstrap_sends_nothing_for_far_buckets() {
     .expect("every provider found");
     assert_eq!(ids(&all), peers_of(&net, &[0, 1, 2, 3, 4, 5]));
 
-    let nodes: Vec<_> = (0..6).map(|i| net.provider(i)).collect();
-    // Six providers at random places: some provider's nearest peer is not in its
-    // farthest bucket, so libp2p starts far-bucket walks after the own-key lookup.
-    let counts = |walk| {
+    let providers: Vec<_> = (0..6).map(|i| net.provider(i)).collect();
+    let counts = |nodes: &[&testnet::TestNode], walk| {
         nodes
             .iter()
-            .map(move |n| n.handle.metrics().dht_bootstrap_counts(walk))
+            .map(|n| n.handle.metrics().dht_bootstrap_counts(walk))
+            .collect::<Vec<_>>()
     };
+    let far_walks = |nodes: &[&testnet::TestNode]| -> u64 {
+        counts(nodes, "far_bucket")
+            .iter()
+            .map(|(walks, _)| walks)
+            .sum()
+    };
+    // Nodes at random places: some node's nearest peer is not in its farthest bucket,
+    // so libp2p starts far-bucket walks after the own-key lookup, among the six
+    // providers and among the three clients alike.
+    let clients: Vec<_> = net.clients().iter().collect();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while counts("own_key").any(|(walks, _)| walks == 0)
-        || counts("far_bucket").map(|(walks, _)| walks).sum::<u64>() == 0
+    while counts(&providers, "own_key")
+        .iter()
+        .any(|(walks, _)| *walks == 0)
+        || far_walks(&providers) == 0
+        || far_walks(&clients) == 0
     {
         assert!(
             tokio::time::Instant::now() < deadline,
-            "no far-bucket walk, or a node without the lookup of its own key"
+            "no far-bucket walk, or a provider without the lookup of its own key"
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    for (i, node) in nodes.iter().enumerate() {
-        let (_, own_requests) = node.handle.metrics().dht_bootstrap_counts("own_key");
-        let (walks, requests) = node.handle.metrics().dht_bootstrap_counts("far_bucket");
+    for (i, (own, far)) in counts(&providers, "own_key")
+        .into_iter()
+        .zip(counts(&providers, "far_bucket"))
+        .enumerate()
+    {
         assert!(
-            own_requests > 0,
-            "node {i}: the lookup of its own key sent no request"
+            own.1 > 0,
+            "provider {i}: the lookup of its own key sent no request"
         );
         assert_eq!(
-            requests, 0,
-            "node {i}: {walks} far-bucket walks sent requests"
+            far.1, 0,
+            "provider {i}: {} far-bucket walks sent requests",
+            far.0
         );
     }
     // A client's are left to run: only its own walks fill its routing table.
-    let (walks, requests) = net
-        .client(0)
-        .handle
-        .metrics()
-        .dht_bootstrap_counts("far_bucket");
-    assert!(
-        walks == 0 || requests > 0,
-        "the client's {walks} far-bucket walks were ended"
-    );
+    for (i, (walks, requests)) in counts(&clients, "far_bucket").into_iter().enumerate() {
+        assert!(
+            walks == 0 || requests > 0,
+            "client {i}: its {walks} far-bucket walks were ended"
+        );
+    }
     net.shutdown().await;
 }
