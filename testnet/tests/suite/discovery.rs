@@ -323,19 +323,18 @@ async fn a_joining_providers_bootstrap_sends_nothing_for_far_buckets() {
     // so libp2p starts far-bucket walks after the own-key lookup, among the six
     // providers and among the three clients alike.
     let clients: Vec<_> = net.clients().iter().collect();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while counts(&providers, "own_key")
-        .iter()
-        .any(|(walks, _)| *walks == 0)
-        || far_walks(&providers) == 0
-        || far_walks(&clients) == 0
-    {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "no far-bucket walk, or a provider without the lookup of its own key"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    crate::eventually(
+        "far-bucket walks, and every provider's lookup of its own key",
+        Duration::from_secs(30),
+        async || {
+            counts(&providers, "own_key")
+                .iter()
+                .all(|(walks, _)| *walks > 0)
+                && far_walks(&providers) > 0
+                && far_walks(&clients) > 0
+        },
+    )
+    .await;
     for (i, (own, far)) in counts(&providers, "own_key")
         .into_iter()
         .zip(counts(&providers, "far_bucket"))

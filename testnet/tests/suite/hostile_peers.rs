@@ -353,11 +353,7 @@ mod attacks {
     const LONG: Duration = Duration::from_secs(120);
 
     async fn eventually(what: &str, mut f: impl FnMut() -> bool) {
-        let deadline = tokio::time::Instant::now() + LONG;
-        while !f() {
-            assert!(tokio::time::Instant::now() < deadline, "timed out: {what}");
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        crate::eventually(what, LONG, async || f()).await
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -14,3 +14,16 @@ mod owner;
 mod reservations;
 mod teams;
 mod waiting;
+
+/// Waits until `check` holds, looking every 100 ms; fails the test, naming `what`, once
+/// `bound` has passed.
+async fn eventually(what: &str, bound: std::time::Duration, mut check: impl AsyncFnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + bound;
+    while !check().await {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not within {bound:?}: {what}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+}

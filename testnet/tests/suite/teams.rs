@@ -13,6 +13,8 @@ use gpunode_protocol::time::now_ms;
 use libp2p::PeerId;
 use testnet::{start_node_in, TestNetConfig, TestNode};
 
+use crate::eventually;
+
 const LONG: Duration = Duration::from_secs(60);
 /// Revocations must take effect within this.
 const REVOCATION_BOUND: Duration = Duration::from_secs(30);
@@ -66,17 +68,6 @@ async fn invited_joiner(
         .await
         .expect("join");
     (dir, key, joined, token)
-}
-
-async fn eventually(what: &str, bound: Duration, mut check: impl AsyncFnMut() -> bool) {
-    let deadline = tokio::time::Instant::now() + bound;
-    while !check().await {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "not within {bound:?}: {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
 }
 
 /// Starts `n` members of a new team: node 0 creates it and certifies the others up front
