@@ -256,7 +256,7 @@ impl OfferFilter {
             capability_key(&format!("model/{}", model_family(model)))
         } else if self.gpus.unwrap_or(0) > 0 || self.min_gpu_mem_bytes.is_some() {
             capability_key("gpu")
-        } else if let Some(backend) = &self.backend {
+        } else if let Some(backend) = self.backend.as_ref().filter(|b| !is_everyones(b)) {
             capability_key(&format!("backend/{}", backend.to_ascii_lowercase()))
         } else {
             capability_key("any")
@@ -268,17 +268,28 @@ fn capability_key(name: &str) -> Vec<u8> {
     format!("/gpunode/v1/cap/{name}").into_bytes()
 }
 
-/// The DHT key under which `peer` stores its advert.
+/// The backend every node runs unless its config leaves it out: a key for it would name
+/// nearly every provider, as `any` does, and cost each of them one more walk to the same
+/// twenty peers when it publishes. Its providers are looked up under `any` and filtered
+/// by their adverts.
+const EVERYONES_BACKEND: &str = "wasm";
+
+fn is_everyones(backend: &str) -> bool {
+    backend.eq_ignore_ascii_case(EVERYONES_BACKEND)
+}
+
+/// The DHT key under which `peer` stores its advert: its peer id's bytes, so the record
+/// lives with the peers nearest to the node itself (Kademlia places a record at the
+/// hash of its key, and a peer at the hash of its id's bytes). Publishing it walks to
+/// the neighbours the node's own bootstrap lookup found and is already connected to,
+/// rather than to twenty peers somewhere else.
 pub fn advert_record_key(peer: &PeerId) -> Vec<u8> {
-    let mut key = b"/gpunode/v1/advert/".to_vec();
-    key.extend_from_slice(&peer.to_bytes());
-    key
+    peer.to_bytes()
 }
 
 /// If `key` is an advert record key, the peer it belongs to.
 pub fn peer_of_advert_key(key: &[u8]) -> Option<PeerId> {
-    let rest = key.strip_prefix(b"/gpunode/v1/advert/".as_slice())?;
-    PeerId::from_bytes(rest).ok()
+    PeerId::from_bytes(key).ok()
 }
 
 /// Every capability key an advert's publisher registers as provider under.
@@ -299,6 +310,7 @@ pub fn capability_keys(advert: &Advert) -> Vec<Vec<u8>> {
         advert
             .backends
             .iter()
+            .filter(|b| !is_everyones(b))
             .map(|b| capability_key(&format!("backend/{}", b.to_ascii_lowercase()))),
     );
     keys
@@ -495,9 +507,41 @@ mod tests {
         assert!(keys.contains(&OfferFilter::default().capability_key()));
         a.withdrawn = true;
         assert!(!a.matches(&OfferFilter::default()));
+        a.withdrawn = false;
+        // Every node's backend has no key of its own: its providers are those under
+        // `any`, filtered on their adverts. Another backend has one.
+        let wasm = OfferFilter {
+            backend: Some("WASM".into()),
+            ..OfferFilter::default()
+        };
+        assert_eq!(wasm.capability_key(), b"/gpunode/v1/cap/any".to_vec());
+        a.backends = vec!["wasm".into(), "container".into()];
+        let keys = capability_keys(&a);
+        assert!(!keys
+            .iter()
+            .any(|k| k.starts_with(b"/gpunode/v1/cap/backend/wasm")));
+        let container = OfferFilter {
+            backend: Some("container".into()),
+            ..OfferFilter::default()
+        };
+        assert_eq!(
+            container.capability_key(),
+            b"/gpunode/v1/cap/backend/container".to_vec()
+        );
+        assert!(keys.contains(&container.capability_key()));
+        assert!(a.matches(&wasm) && a.matches(&container));
+        a.backends = vec!["container".into()];
+        assert!(
+            !a.matches(&wasm),
+            "found under `any`, left out by the filter"
+        );
+        a.withdrawn = true;
+        assert!(!a.matches(&OfferFilter::default()));
         assert_eq!(
             peer_of_advert_key(&advert_record_key(&a.publisher)),
             Some(a.publisher)
         );
+        assert_eq!(peer_of_advert_key(b"/gpunode/v1/cap/any"), None);
+        assert_eq!(peer_of_advert_key(b""), None);
     }
 }

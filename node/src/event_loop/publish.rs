@@ -563,6 +563,23 @@ mod tests {
         assert!(log2(&d(U256::MAX)) <= 256.0 && log2(&d(U256::MAX)) > 255.99);
     }
 
+    /// A node's advert walk goes where its own bootstrap lookup went: the record's place
+    /// in the key space is the node's own, and any other peer's is elsewhere.
+    #[test]
+    fn an_advert_record_lives_at_its_publishers_own_place_in_the_dht() {
+        let place = |p: &PeerId| KBucketKey::new(RecordKey::new(&advert_record_key(p)));
+        let peer = PeerId::random();
+        assert_eq!(
+            place(&peer).distance(&KBucketKey::from(peer)),
+            KBucketDistance::default()
+        );
+        let other = PeerId::random();
+        assert_ne!(
+            place(&peer).distance(&KBucketKey::from(other)),
+            KBucketDistance::default()
+        );
+    }
+
     /// The estimate from the 20th closest of N peers lands near N, for networks larger
     /// than the routing table could ever hold.
     #[test]
