@@ -406,8 +406,10 @@ impl EventLoop {
                 let Some((id, peer)) = self.advert_fetches.remove(&request_id) else {
                     return;
                 };
-                // A peer that speaks no advert fetch (an older build) is looked up in the
-                // DHT, and so is one the caller named (its advert says where it listens).
+                // A peer that speaks no advert fetch is looked up in the DHT, and so is one
+                // the caller named (its advert says where it listens). (Builds older than
+                // the fetch stored their adverts under a key this build no longer reads:
+                // for those the lookup finds nothing, and they are left out.)
                 // A provider the lookup named that we cannot reach now is left out: a
                 // lease with it would fail the same way, after its own timeout.
                 let Some(find) = self.finds.get_mut(&id) else {
