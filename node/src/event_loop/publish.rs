@@ -12,7 +12,7 @@
 //!
 //! A publication is one round: the advert's walk and store, and one provider walk per
 //! capability key. A round ends when all of them have; only then is it judged (too few
-//! copies: again after a backoff; the network grown by half since: again soon), so a
+//! copies: again after a backoff; the network doubled since: again soon), so a
 //! forming network, where every walk is slow, does not pile new rounds on running ones.
 //! Every walk of ours is cut short after [`WALK_DEADLINE`], once enough peers have
 //! answered, and stores at the closest of them. "Grown" is by an estimate of the
@@ -52,7 +52,7 @@ const WALK_DEADLINE: Duration = Duration::from_secs(10);
 /// slow peer, which loaded it more.
 const MIN_COPIES: usize = REPLICATION / 2;
 /// How much the network must have grown, beyond [`REPLICATION`] peers, for a new round.
-const GROWTH_FACTOR: f64 = 1.5;
+const GROWTH_FACTOR: f64 = 2.0;
 /// How long after the network has grown we publish again, so that a burst of
 /// new peers leads to one round.
 pub(super) const GROWTH_DELAY: Duration = Duration::from_millis(300);
@@ -165,9 +165,13 @@ impl OwnAdvert {
     /// Whether the network has grown enough since our last publication (by
     /// [`estimate_network_size`]) that peers closest to our keys may hold nothing: in a
     /// network of fewer than [`REPLICATION`] peers every peer should hold our records, so
-    /// any growth; beyond that, by half (about a third of the closest peers new: a lookup
-    /// that stops once three of them agree still meets our records; after a doubling,
-    /// half of them new, one in eight such lookups missed a record at 200 nodes).
+    /// any growth; beyond that, when it has doubled (about half of the closest peers
+    /// new). A lookup asks until ten answers named providers and the last five named
+    /// nobody new, so it reaches the peers nearest a key and meets the records there.
+    /// (Growth by half was the rule while a lookup stopped once three answers agreed:
+    /// after a doubling, one in eight of those missed a record at 200 nodes. With the
+    /// ten-answer rule a doubling misses as rarely, with about 11% fewer rounds:
+    /// `docs/benchmarks.md`, "Publishing again when the network has doubled".)
     pub(super) fn outgrown(&self, network_size: f64) -> bool {
         let base = self.published_at_network_size;
         self.status.seq > 0
@@ -479,7 +483,7 @@ impl EventLoop {
 
     /// Judges a round once every part of it has ended. Too few peers ([`MIN_COPIES`])
     /// took our advert or a provider record (peers busy, or the network still forming):
-    /// publish again, backing off up to a minute. The network has grown by half since:
+    /// publish again, backing off up to a minute. The network has doubled since:
     /// publish again soon, for the new peers closest to our keys.
     fn end_round_if_done(&mut self) {
         if self.own.as_ref().is_none_or(OwnAdvert::in_round) {

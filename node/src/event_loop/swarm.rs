@@ -255,7 +255,7 @@ impl EventLoop {
                 }
                 let size = self.routing_table_size();
                 self.metrics.routing_table_peers.set(size as i64);
-                // Re-publish whenever the network has grown by half since we last published
+                // Re-publish whenever the network has doubled since we last published
                 // (a round under way is judged when it ends).
                 let idle = self.own.as_ref().is_some_and(|o| !o.in_round());
                 if is_new_peer && idle {
