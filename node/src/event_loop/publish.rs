@@ -12,10 +12,11 @@
 //!
 //! A publication is one round: the advert's walk and store, and one provider walk per
 //! capability key. A round ends when all of them have; only then is it judged (too few
-//! copies: again after a backoff; the network doubled since: again soon), so a
-//! forming network, where every walk is slow, does not pile new rounds on running ones.
+//! copies: again after a backoff), so a forming network, where every walk is slow, does
+//! not pile new rounds on running ones. Between rounds, a peer added to the routing
+//! table when the network has doubled since the last round starts a new one soon.
 //! Every walk of ours is cut short after [`WALK_DEADLINE`], once enough peers have
-//! answered, and stores at the closest of them. "Grown" is by an estimate of the
+//! answered, and stores at the closest of them. "Doubled" is by an estimate of the
 //! network's size from our own neighbourhood ([`estimate_network_size`]).
 
 use std::time::Duration;
@@ -167,10 +168,10 @@ impl OwnAdvert {
     /// network of fewer than [`REPLICATION`] peers every peer should hold our records, so
     /// any growth; beyond that, when it has doubled (about half of the closest peers
     /// new). A lookup asks until ten answers named providers and the last five named
-    /// nobody new, so it reaches the peers nearest a key and meets the records there.
-    /// (Growth by half was the rule while a lookup stopped once three answers agreed:
-    /// after a doubling, one in eight of those missed a record at 200 nodes. With the
-    /// ten-answer rule a doubling misses as rarely, with about 11% fewer rounds:
+    /// nobody new, further toward a key than the three agreeing answers it once
+    /// stopped at. (Growth by half was the rule then: after a doubling of this estimate
+    /// 3 lookups of 50 missed a provider at 200 nodes. With the ten-answer rule a
+    /// doubling misses as rarely as growth by half, with about 11% fewer rounds:
     /// `docs/benchmarks.md`, "Publishing again when the network has doubled".)
     pub(super) fn outgrown(&self, network_size: f64) -> bool {
         let base = self.published_at_network_size;
@@ -483,8 +484,9 @@ impl EventLoop {
 
     /// Judges a round once every part of it has ended. Too few peers ([`MIN_COPIES`])
     /// took our advert or a provider record (peers busy, or the network still forming):
-    /// publish again, backing off up to a minute. The network has doubled since:
-    /// publish again soon, for the new peers closest to our keys.
+    /// publish again, backing off up to a minute. The network's size at the round's end
+    /// becomes the one later growth is measured from: growth is judged as peers are
+    /// added while no round runs (in `on_kad_event`).
     fn end_round_if_done(&mut self) {
         if self.own.as_ref().is_none_or(OwnAdvert::in_round) {
             return;
@@ -506,9 +508,6 @@ impl EventLoop {
             self.schedule_publish(backoff, false);
         } else {
             own.retry_backoff = Duration::ZERO;
-            if own.outgrown(network_size) {
-                self.schedule_publish(GROWTH_DELAY, false);
-            }
         }
     }
 }
