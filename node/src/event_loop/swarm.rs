@@ -256,7 +256,8 @@ impl EventLoop {
                 let size = self.routing_table_size();
                 self.metrics.routing_table_peers.set(size as i64);
                 // Re-publish whenever the network has doubled since we last published
-                // (a round under way is judged when it ends).
+                // (growth seen while a round runs is folded into that round, whose end
+                // takes the network's size then as the new base).
                 let idle = self.own.as_ref().is_some_and(|o| !o.in_round());
                 if is_new_peer && idle {
                     let network_size = self.estimate_network_size();
