@@ -131,6 +131,20 @@ pub fn parse<'a>(
     Ok(certificate)
 }
 
+/// gpunode: parses a certificate that this crate's verifier has already accepted, in the
+/// handshake that presented it, without checking its signatures again.
+///
+/// For the certificate rustls hands to `verify_tls13_signature` (after the same
+/// handshake's `verify_server_cert` or `verify_client_cert` accepted it) and a finished
+/// connection's peer certificate: each [`parse`] costs an ECDSA and an Ed25519
+/// verification, and every handshake parsed the peer's certificate three times. On any
+/// other certificate this skips the checks that make it trustworthy: use [`parse`].
+pub fn parse_verified<'a>(
+    certificate: &'a rustls::pki_types::CertificateDer<'a>,
+) -> Result<P2pCertificate<'a>, ParseError> {
+    Ok(parse_unverified(certificate.as_ref())?)
+}
+
 /// An X.509 certificate with a libp2p-specific extension
 /// is used to secure libp2p connections.
 #[derive(Debug)]

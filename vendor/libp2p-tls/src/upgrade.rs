@@ -132,5 +132,6 @@ fn extract_single_certificate(
         panic!("config enforces exactly one certificate");
     };
 
-    certificate::parse(cert)
+    // gpunode: the peer's certificate is set only once the handshake's verifier accepted it.
+    certificate::parse_verified(cert)
 }
