@@ -132,7 +132,8 @@ pub fn parse<'a>(
 }
 
 /// gpunode: parses a certificate that this crate's verifier has already accepted, in the
-/// handshake that presented it, without checking its signatures again.
+/// handshake that presented it (or in the full handshake whose session a resumed one
+/// reuses), without checking its signatures again.
 ///
 /// For the certificate rustls hands to `verify_tls13_signature` (after the same
 /// handshake's `verify_server_cert` or `verify_client_cert` accepted it) and a finished

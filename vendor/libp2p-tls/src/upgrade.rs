@@ -132,6 +132,7 @@ fn extract_single_certificate(
         panic!("config enforces exactly one certificate");
     };
 
-    // gpunode: the peer's certificate is set only once the handshake's verifier accepted it.
+    // gpunode: the peer's certificate is set only once the handshake's verifier accepted
+    // it, or, on a resumed session, the verifier of the full handshake that stored it.
     certificate::parse_verified(cert)
 }

@@ -73,8 +73,9 @@ impl Connecting {
             .first()
             .ok_or_else(|| transport_err("No certificate found"))?;
         // gpunode: quinn hands out the peer's certificate only after libp2p-tls's verifier
-        // accepted it in the handshake (client certificates are mandatory), so parsing it
-        // does not verify its signatures a third time.
+        // accepted it in this handshake, or in the full handshake whose session this one
+        // resumes (rustls stores sessions only after that; client certificates are
+        // mandatory), so parsing it does not verify its signatures again.
         let p2p_cert = libp2p_tls::certificate::parse_verified(end_entity)
             .map_err(|_| transport_err("Could not parse certificate"))?;
         Ok(p2p_cert.peer_id())
