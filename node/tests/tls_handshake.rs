@@ -193,6 +193,47 @@ fn an_honest_handshake_names_each_peer_as_itself() {
     }
 }
 
+/// `host` presents `cert` as a server to an honest client expecting `expect`: the
+/// certificate the client ended with, or its refusal.
+fn present_as_server(
+    host: &Keypair,
+    cert: Arc<Presented>,
+    expect: Option<PeerId>,
+) -> Result<CertificateDer<'static>, rustls::Error> {
+    let mut server = honest_server(host);
+    server.cert_resolver = cert;
+    let client = honest_client(&Keypair::generate_ed25519(), expect);
+    handshake(client, server).map(|(server_cert, _)| server_cert)
+}
+
+/// `host` presents `cert` as a client to an honest server: the certificate the server
+/// ended with, or its refusal.
+fn present_as_client(
+    host: &Keypair,
+    cert: Arc<Presented>,
+) -> Result<CertificateDer<'static>, rustls::Error> {
+    let mut client = honest_client(host, None);
+    client.client_auth_cert_resolver = cert;
+    let server = honest_server(&Keypair::generate_ed25519());
+    handshake(client, server).map(|(_, client_cert)| client_cert)
+}
+
+/// Fails unless `result` is a refusal naming `reason`.
+fn assert_refused(
+    result: Result<CertificateDer<'static>, rustls::Error>,
+    side: &str,
+    what: &str,
+    reason: &str,
+) {
+    match result {
+        Ok(_) => panic!("a {side} whose certificate has its {what} was accepted"),
+        Err(e) => assert!(
+            format!("{e:?}").contains(reason),
+            "a {side} whose certificate has its {what} was refused for {e:?}, not {reason}"
+        ),
+    }
+}
+
 /// The certificates the forgeries start from, made honestly, get through: a forgery is
 /// refused for what was forged, not for how the test builds certificates.
 #[test]
@@ -201,17 +242,9 @@ fn a_certificate_built_as_the_forgeries_are_but_honest_is_accepted() {
     let want = host.public().to_peer_id();
     let key = p256();
     let honest = presented(libp2p_cert(&key, &host, &host), &key);
-    let mut server = honest_server(&host);
-    server.cert_resolver = honest.clone();
-    let (server_cert, _) = handshake(
-        honest_client(&Keypair::generate_ed25519(), Some(want)),
-        server,
-    )
-    .expect("a server presenting it is accepted");
-    let mut client = honest_client(&host, None);
-    client.client_auth_cert_resolver = honest;
-    let (_, client_cert) = handshake(client, honest_server(&Keypair::generate_ed25519()))
-        .expect("a client presenting it is accepted");
+    let server_cert = present_as_server(&host, honest.clone(), Some(want))
+        .expect("a server presenting it is accepted");
+    let client_cert = present_as_client(&host, honest).expect("a client presenting it is accepted");
     for cert in [&server_cert, &client_cert] {
         assert_eq!(
             libp2p_tls::certificate::parse(cert)
@@ -224,35 +257,22 @@ fn a_certificate_built_as_the_forgeries_are_but_honest_is_accepted() {
 
 #[test]
 fn a_server_presenting_a_forged_certificate_is_refused() {
-    let server_host = Keypair::generate_ed25519();
-    for (what, forged, reason) in forgeries(&server_host) {
-        let mut server = honest_server(&server_host);
-        server.cert_resolver = forged;
-        let client = honest_client(&Keypair::generate_ed25519(), None);
-        match handshake(client, server) {
-            Ok(_) => panic!("a server whose certificate has its {what} was accepted"),
-            Err(e) => assert!(
-                format!("{e:?}").contains(reason),
-                "a server whose certificate has its {what} was refused for {e:?}, not {reason}"
-            ),
-        }
+    let host = Keypair::generate_ed25519();
+    for (what, forged, reason) in forgeries(&host) {
+        assert_refused(
+            present_as_server(&host, forged, None),
+            "server",
+            what,
+            reason,
+        );
     }
 }
 
 #[test]
 fn a_client_presenting_a_forged_certificate_is_refused() {
-    let client_host = Keypair::generate_ed25519();
-    for (what, forged, reason) in forgeries(&client_host) {
-        let mut client = honest_client(&client_host, None);
-        client.client_auth_cert_resolver = forged;
-        let server = honest_server(&Keypair::generate_ed25519());
-        match handshake(client, server) {
-            Ok(_) => panic!("a client whose certificate has its {what} was accepted"),
-            Err(e) => assert!(
-                format!("{e:?}").contains(reason),
-                "a client whose certificate has its {what} was refused for {e:?}, not {reason}"
-            ),
-        }
+    let host = Keypair::generate_ed25519();
+    for (what, forged, reason) in forgeries(&host) {
+        assert_refused(present_as_client(&host, forged), "client", what, reason);
     }
 }
 
