@@ -37,6 +37,32 @@ const KAD_QUERY_TIMEOUT: Duration = Duration::from_secs(30);
 /// (about 5,300 ping streams a second over its 40,000 connections).
 const PING_EVERY: Duration = Duration::from_secs(60);
 
+/// Whether a request-response message failed because the peer does not serve its
+/// protocol. For a protocol negotiated lazily (see [`negotiate_lazily`]) that shows as
+/// an I/O error carrying multistream-select's negotiation error, not as
+/// `UnsupportedProtocols`. Either way it is no failure of the connection, and sending
+/// again would be refused again.
+pub fn refused_protocol(error: &request_response::OutboundFailure) -> bool {
+    match error {
+        request_response::OutboundFailure::UnsupportedProtocols => true,
+        request_response::OutboundFailure::Io(e) => e
+            .get_ref()
+            .is_some_and(|inner| inner.is::<multistream_select::NegotiationError>()),
+        _ => false,
+    }
+}
+
+/// Makes this process open streams of `protocol` lazily: the first message leaves right
+/// behind the stream's protocol proposal instead of a round trip later, when the
+/// listener has confirmed the protocol (multistream-select's `V1Lazy`, which every
+/// listener understands; the vendored crate's change, see vendor/README.md). Closing
+/// such a stream waits for the confirmation, so a message sent without an answer
+/// (Kademlia's `ADD_PROVIDER`) is not lost. Used for Kademlia, the advert fetch and the
+/// lease protocol: each opens a stream per message, and lookups and leases wait on them.
+pub fn negotiate_lazily(protocol: &StreamProtocol) {
+    multistream_select::negotiate_lazily(protocol.as_ref());
+}
+
 /// Why the swarm could not be built.
 #[derive(Debug, thiserror::Error)]
 #[error("cannot set up networking: {0}")]
@@ -229,6 +255,7 @@ fn behaviour(
         Some((team, _)) => crate::team::team_protocol(team, "kad"),
         None => KAD_PROTOCOL,
     };
+    negotiate_lazily(&kad_protocol);
     let mut kad_config = kad::Config::new(kad_protocol);
     kad_config
         .set_record_filtering(kad::StoreInserts::FilterBoth)

@@ -340,6 +340,14 @@ pub fn verify_advert(
     {
         return Err(AdvertError::BadLifetime);
     }
+    check_advert_clock(&advert, now)?;
+    Ok(advert)
+}
+
+/// The checks of [`verify_advert`] that depend on the time `now`: not issued more than
+/// the tolerated clock skew ahead, not expired. An advert that passed every other check
+/// once passes them again whenever its bytes are the same.
+pub fn check_advert_clock(advert: &Advert, now: UnixMillis) -> Result<(), AdvertError> {
     if advert.issued_at_ms > now + MAX_CLOCK_SKEW_MS {
         return Err(AdvertError::FromFuture {
             ahead_ms: advert.issued_at_ms - now,
@@ -350,7 +358,7 @@ pub fn verify_advert(
             ago_ms: now - advert.expires_at_ms,
         });
     }
-    Ok(advert)
+    Ok(())
 }
 
 #[cfg(test)]

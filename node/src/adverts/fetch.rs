@@ -33,8 +33,11 @@ pub struct AdvertQuery;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AdvertAnswer(pub Option<Vec<u8>>);
 
-/// The request-response behaviour that carries advert fetches.
+/// The request-response behaviour that carries advert fetches. Building it also makes
+/// this process open advert streams lazily ([`crate::network::negotiate_lazily`]): the
+/// one-byte request leaves with the stream's protocol proposal, a round trip sooner.
 pub fn behaviour() -> request_response::Behaviour<AdvertCodec> {
+    crate::network::negotiate_lazily(&ADVERT_PROTOCOL);
     request_response::Behaviour::with_codec(
         AdvertCodec,
         [(ADVERT_PROTOCOL, ProtocolSupport::Full)],

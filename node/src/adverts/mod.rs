@@ -7,7 +7,9 @@ pub mod fetch;
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use gpunode_protocol::advert::{verify_advert, Advert, AdvertError, AdvertGpu, ADVERT_VERSION};
+use gpunode_protocol::advert::{
+    check_advert_clock, verify_advert, Advert, AdvertError, AdvertGpu, ADVERT_VERSION,
+};
 use gpunode_protocol::time::UnixMillis;
 use gpunode_protocol::PeerId;
 
@@ -21,9 +23,19 @@ const MAX_BOOK_ENTRIES: usize = 20_000;
 /// Remembers the newest valid advert of every publisher and refuses the rest.
 #[derive(Debug)]
 pub struct AdvertBook {
-    latest: HashMap<PeerId, Advert>,
+    latest: HashMap<PeerId, Kept>,
     metrics: Arc<Metrics>,
     max_entries: usize,
+}
+
+/// A publisher's newest advert as the book keeps it: what it says, and a digest of the
+/// signed bytes it came in. The same bytes again passed every check but the clock's when
+/// they were kept, so their signature is not checked again (a requester fetches the
+/// same adverts at every search until a provider's state changes).
+#[derive(Debug)]
+struct Kept {
+    advert: Advert,
+    signed: blake3::Hash,
 }
 
 /// The address an advert's publisher listens on first (its IP), what Sybil identities
@@ -56,25 +68,40 @@ impl AdvertBook {
         publisher: &PeerId,
         now: UnixMillis,
     ) -> Result<Advert, AdvertError> {
-        let result = verify_advert(bytes, publisher, now).and_then(|advert| {
-            match self.latest.get(publisher) {
-                Some(known) if advert.seq < known.seq => Err(AdvertError::Stale {
+        let signed = blake3::hash(bytes);
+        let kept = self.latest.get(publisher);
+        let same_bytes = kept.is_some_and(|k| k.signed == signed);
+        let result = match kept {
+            Some(kept) if same_bytes => {
+                check_advert_clock(&kept.advert, now).map(|()| kept.advert.clone())
+            }
+            known => verify_advert(bytes, publisher, now).and_then(|advert| match known {
+                Some(known) if advert.seq < known.advert.seq => Err(AdvertError::Stale {
                     got: advert.seq,
-                    known: known.seq,
+                    known: known.advert.seq,
                 }),
                 _ => Ok(advert),
-            }
-        });
+            }),
+        };
         match &result {
+            Ok(_) if same_bytes => {
+                self.metrics.adverts_received.inc();
+            }
             Ok(advert) => {
                 self.metrics.adverts_received.inc();
                 if !self.latest.contains_key(publisher) && self.latest.len() >= self.max_entries {
-                    self.latest.retain(|_, a| a.expires_at_ms > now);
+                    self.latest.retain(|_, k| k.advert.expires_at_ms > now);
                     if self.latest.len() >= self.max_entries {
                         self.evict_from_largest_host();
                     }
                 }
-                self.latest.insert(*publisher, advert.clone());
+                self.latest.insert(
+                    *publisher,
+                    Kept {
+                        advert: advert.clone(),
+                        signed,
+                    },
+                );
             }
             Err(e) => {
                 tracing::debug!(%publisher, "advert refused: {e}");
@@ -91,8 +118,8 @@ impl AdvertBook {
     /// identities from one machine evicts itself, not everyone else.
     fn evict_from_largest_host(&mut self) {
         let mut per_host: HashMap<String, usize> = HashMap::new();
-        for a in self.latest.values() {
-            *per_host.entry(host_of(a)).or_default() += 1;
+        for k in self.latest.values() {
+            *per_host.entry(host_of(&k.advert)).or_default() += 1;
         }
         let Some(largest) = per_host.into_iter().max_by_key(|(_, n)| *n).map(|(h, _)| h) else {
             return;
@@ -100,8 +127,8 @@ impl AdvertBook {
         let victim = self
             .latest
             .iter()
-            .filter(|(_, a)| host_of(a) == largest)
-            .min_by_key(|(_, a)| a.issued_at_ms)
+            .filter(|(_, k)| host_of(&k.advert) == largest)
+            .min_by_key(|(_, k)| k.advert.issued_at_ms)
             .map(|(p, _)| *p);
         if let Some(p) = victim {
             self.latest.remove(&p);
@@ -120,12 +147,18 @@ impl AdvertBook {
 
     /// Every remembered advert that has not expired, in no order.
     pub fn current(&self, now: UnixMillis) -> impl Iterator<Item = &Advert> {
-        self.latest.values().filter(move |a| a.expires_at_ms > now)
+        self.latest
+            .values()
+            .map(|k| &k.advert)
+            .filter(move |a| a.expires_at_ms > now)
     }
 
     /// The newest valid advert seen from `publisher`, if it has not expired.
     pub fn latest(&self, publisher: &PeerId, now: UnixMillis) -> Option<&Advert> {
-        self.latest.get(publisher).filter(|a| a.expires_at_ms > now)
+        self.latest
+            .get(publisher)
+            .map(|k| &k.advert)
+            .filter(|a| a.expires_at_ms > now)
     }
 }
 
@@ -253,6 +286,76 @@ mod tests {
         assert!(metrics
             .encode()
             .contains("gpunode_adverts_rejected_total{reason=\"stale\"} 1"));
+    }
+
+    /// The same signed bytes again skip only the signature: the clock is checked again,
+    /// and any other bytes (a flipped byte, the copy of another publisher, a new
+    /// sequence number) are checked whole.
+    #[test]
+    fn an_advert_seen_before_is_checked_against_the_clock_and_nothing_else_passes_as_it() {
+        let metrics = Metrics::new();
+        let mut book = AdvertBook::new(metrics.clone());
+        let k = Keypair::generate_ed25519();
+        let p = k.public().to_peer_id();
+        let now = 1_800_000_000_000;
+        let bytes = advert(&k, 5, now);
+        assert!(book.accept(&bytes, &p, now).is_ok());
+        assert_eq!(book.accept(&bytes, &p, now + 1_000).map(|a| a.seq), Ok(5));
+
+        // Expired meanwhile (adverts here live 60 s), or our clock went back far enough
+        // that it was issued in the future.
+        let expired = book.accept(&bytes, &p, now + 60_000).unwrap_err();
+        assert!(
+            matches!(expired, AdvertError::Expired { .. }),
+            "{expired:?}"
+        );
+        let early = book.accept(&bytes, &p, now - 31_000).unwrap_err();
+        assert!(matches!(early, AdvertError::FromFuture { .. }), "{early:?}");
+
+        // A flipped byte, anywhere, is checked whole and refused.
+        for i in [0, bytes.len() / 2, bytes.len() - 1] {
+            let mut tampered = bytes.clone();
+            tampered[i] ^= 1;
+            assert!(book.accept(&tampered, &p, now).is_err(), "byte {i}");
+        }
+        // The same bytes under another publisher are checked whole and refused.
+        let other = Keypair::generate_ed25519().public().to_peer_id();
+        assert!(book.accept(&bytes, &other, now).is_err());
+        // A lower sequence number is still stale, a higher one replaces the kept bytes.
+        assert!(matches!(
+            book.accept(&advert(&k, 4, now), &p, now),
+            Err(AdvertError::Stale { got: 4, known: 5 })
+        ));
+        let newer = advert(&k, 6, now);
+        assert!(book.accept(&newer, &p, now).is_ok());
+        assert_eq!(book.latest(&p, now).map(|a| a.seq), Some(6));
+        assert!(matches!(
+            book.accept(&bytes, &p, now),
+            Err(AdvertError::Stale { got: 5, known: 6 })
+        ));
+        assert_eq!(metrics.rejected_count("expired"), 1);
+        assert_eq!(metrics.rejected_count("stale"), 2);
+    }
+
+    /// What the book remembers it trusts: bytes whose digest it kept pass without their
+    /// signature being checked (here, bytes that could never pass it).
+    #[test]
+    fn kept_bytes_are_not_verified_again() {
+        let mut book = AdvertBook::new(Metrics::new());
+        let k = Keypair::generate_ed25519();
+        let p = k.public().to_peer_id();
+        let now = 1_800_000_000_000;
+        let advert = book.accept(&advert(&k, 5, now), &p, now).expect("valid");
+        let unsigned = b"bytes that are no signed advert".to_vec();
+        assert!(book.accept(&unsigned, &p, now).is_err());
+        book.latest.insert(
+            p,
+            Kept {
+                advert,
+                signed: blake3::hash(&unsigned),
+            },
+        );
+        assert_eq!(book.accept(&unsigned, &p, now).map(|a| a.seq), Ok(5));
     }
 
     #[test]

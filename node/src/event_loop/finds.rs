@@ -415,10 +415,7 @@ impl EventLoop {
                 let Some(find) = self.finds.get_mut(&id) else {
                     return;
                 };
-                let unsupported = matches!(
-                    error,
-                    request_response::OutboundFailure::UnsupportedProtocols
-                );
+                let unsupported = crate::network::refused_protocol(&error);
                 if find.named_peers || unsupported {
                     self.fetch_advert_from_dht(id, peer);
                 } else if !find.second_try_used(peer) {

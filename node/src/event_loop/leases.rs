@@ -15,13 +15,14 @@ use libp2p::PeerId;
 use super::EventLoop;
 use crate::inventory::InventorySnapshot;
 use crate::lease::book::SignedRenewal;
-use crate::lease::codec::{refused_protocol, InboundLease};
+use crate::lease::codec::InboundLease;
 use crate::lease::desk::LocalCancel;
 use crate::lease::negotiate::{proposal_outcome, Proposal};
 use crate::lease::{
     persist, Capacity, Effects, GpuSlot, LeaseOpError, LeaseRecord, LeaseSendError,
 };
 use crate::loop_client::ProposalReply;
+use crate::network::refused_protocol;
 use gpunode_protocol::gpu::GpuState;
 use tokio::sync::oneshot;
 

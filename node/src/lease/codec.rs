@@ -20,14 +20,11 @@ pub const LEASE_PROTOCOL_NAME: &str = "/gpunode/lease/1.0.0";
 pub const LEASE_PROTOCOL: StreamProtocol = StreamProtocol::new(LEASE_PROTOCOL_NAME);
 
 /// The lease protocol's request-response behaviour, one per swarm. Building it also
-/// makes this process open lease streams lazily: a request leaves right behind its
-/// stream's protocol proposal instead of waiting a round trip for the provider to
-/// confirm the protocol (multistream-select's `V1Lazy`, which every listener
-/// understands; the vendored crate's one change, see vendor/README.md). That is safe
-/// here because a lease request's dialer always reads the reply before it lets the
-/// stream go.
+/// makes this process open lease streams lazily ([`crate::network::negotiate_lazily`]):
+/// a request leaves right behind its stream's protocol proposal instead of waiting a
+/// round trip for the provider to confirm the protocol.
 pub fn lease_behaviour() -> request_response::Behaviour<LeaseCodec> {
-    multistream_select::negotiate_lazily(LEASE_PROTOCOL_NAME);
+    crate::network::negotiate_lazily(&LEASE_PROTOCOL);
     request_response::Behaviour::with_codec(
         LeaseCodec,
         [(LEASE_PROTOCOL, request_response::ProtocolSupport::Full)],
@@ -35,20 +32,6 @@ pub fn lease_behaviour() -> request_response::Behaviour<LeaseCodec> {
             .with_request_timeout(Duration::from_secs(10))
             .with_max_concurrent_streams(256),
     )
-}
-
-/// Whether a lease message failed because the peer does not serve the lease protocol.
-/// With lazy negotiation that shows as an I/O error on the reply, carrying
-/// multistream-select's negotiation error, not as `UnsupportedProtocols`. Either way it
-/// is no failure of the connection, and sending again would be refused again.
-pub fn refused_protocol(error: &request_response::OutboundFailure) -> bool {
-    match error {
-        request_response::OutboundFailure::UnsupportedProtocols => true,
-        request_response::OutboundFailure::Io(e) => e
-            .get_ref()
-            .is_some_and(|inner| inner.is::<multistream_select::NegotiationError>()),
-        _ => false,
-    }
 }
 
 /// A request as read from (or written to) the wire.
@@ -158,6 +141,7 @@ impl Codec for LeaseCodec {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::network::refused_protocol;
     use futures::FutureExt;
     use multistream_select::{dialer_select_proto, listener_select_proto, Version};
     use tokio_util::compat::TokioAsyncReadCompatExt;
@@ -195,6 +179,48 @@ mod tests {
         io.write_all(b"request").await.expect("write");
         io.flush().await.expect("flush");
         io
+    }
+
+    /// Closing a lazily opened stream waits for the listener's confirmation, so a
+    /// message sent without an answer is not dropped before the listener took it; a
+    /// refusal fails the close with an error `refused_protocol` recognises.
+    #[tokio::test]
+    async fn closing_a_lazy_stream_waits_for_the_listeners_confirmation() {
+        let _lease = lease_behaviour();
+        let (dialer, listener) = tokio::io::duplex(4096);
+        let mut io = request_sent(dialer).await;
+        {
+            let mut close = Box::pin(io.close());
+            assert!(
+                close.as_mut().now_or_never().is_none(),
+                "closed before the listener confirmed the protocol"
+            );
+            let provider = tokio::spawn(async move {
+                let (_, mut io) = listener_select_proto(listener.compat(), [LEASE_PROTOCOL_NAME])
+                    .await
+                    .expect("listener negotiation");
+                let mut request = Vec::new();
+                io.read_to_end(&mut request).await.expect("request");
+                assert_eq!(request, b"request");
+            });
+            close.await.expect("closed once confirmed");
+            provider.await.expect("listener task");
+        }
+        io.close().await.expect("a second close");
+
+        let (dialer, listener) = tokio::io::duplex(4096);
+        let refuser = tokio::spawn(async move {
+            let _ = listener_select_proto(listener.compat(), ["/other/1.0.0"]).await;
+        });
+        let mut io = request_sent(dialer).await;
+        let refused = io
+            .close()
+            .await
+            .expect_err("a refused stream closed cleanly");
+        assert!(refused_protocol(&request_response::OutboundFailure::Io(
+            refused
+        )));
+        refuser.await.expect("listener task");
     }
 
     /// Against a listener that negotiates as every libp2p node does (an older gpunode

@@ -36,20 +36,22 @@ use crate::{
 
 /// gpunode: the protocols this process negotiates lazily, as [`Version::V1Lazy`] does,
 /// whatever version the caller asked for. See [`negotiate_lazily`].
-static LAZY: std::sync::RwLock<Vec<&'static str>> = std::sync::RwLock::new(Vec::new());
+static LAZY: std::sync::RwLock<Vec<String>> = std::sync::RwLock::new(Vec::new());
 
 /// gpunode: from now on, a dialer of this process that proposes `protocol` as its only
 /// (or last) choice sends its first data right behind the proposal instead of waiting
 /// for the listener to confirm it: one round trip fewer per stream. On the wire this is
-/// exactly [`Version::V1Lazy`], which every listener understands. Register only a
-/// protocol whose dialer always reads an answer before it drops the stream (a
-/// request-response protocol): a dialer that writes and drops at once can lose its
-/// message, and a listener that refuses the protocol shows as an I/O error on the
-/// dialer's first read instead of a failed negotiation.
-pub fn negotiate_lazily(protocol: &'static str) {
+/// exactly [`Version::V1Lazy`], which every listener understands. Closing such a stream
+/// waits for the listener's confirmation (see `Negotiated`'s `poll_close`), so a
+/// dialer that writes, closes and drops does not lose its message. A listener that
+/// refuses the protocol shows as an I/O error, carrying a [`NegotiationError`], on the
+/// dialer's close or first read instead of a failed negotiation. So do not register a
+/// protocol whose dialer falls back to another one when the stream's opening is
+/// refused, or that drops its stream without closing it or reading from it.
+pub fn negotiate_lazily(protocol: &str) {
     let mut lazy = LAZY.write().unwrap_or_else(|e| e.into_inner());
-    if !lazy.contains(&protocol) {
-        lazy.push(protocol);
+    if !lazy.iter().any(|p| p == protocol) {
+        lazy.push(protocol.to_owned());
     }
 }
 
@@ -57,7 +59,8 @@ pub fn negotiate_lazily(protocol: &'static str) {
 fn is_lazy(protocol: &str) -> bool {
     LAZY.read()
         .unwrap_or_else(|e| e.into_inner())
-        .contains(&protocol)
+        .iter()
+        .any(|p| p == protocol)
 }
 
 /// Returns a `Future` that negotiates a protocol on the given I/O stream

@@ -107,6 +107,7 @@ impl<TInner> Negotiated<TInner> {
                 io,
                 protocol,
                 header,
+                write_closed: false,
             },
         }
     }
@@ -129,6 +130,19 @@ impl<TInner> Negotiated<TInner> {
             }
         }
 
+        self.poll_confirmation(cx)
+    }
+
+    /// gpunode: reads what is left of the negotiation (the listener's header and its
+    /// confirmation of the protocol) without flushing first: [`Negotiated::poll`] after
+    /// its flush, and `poll_close` once the stream's write side is closed.
+    fn poll_confirmation(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Result<(), NegotiationError>>
+    where
+        TInner: AsyncRead + AsyncWrite + Unpin,
+    {
         let mut this = self.project();
 
         if let StateProj::Completed { .. } = this.state.as_mut().project() {
@@ -142,6 +156,7 @@ impl<TInner> Negotiated<TInner> {
                     mut io,
                     header,
                     protocol,
+                    write_closed,
                 } => {
                     let msg = match Pin::new(&mut io).poll_next(cx)? {
                         Poll::Ready(Some(msg)) => msg,
@@ -150,6 +165,7 @@ impl<TInner> Negotiated<TInner> {
                                 io,
                                 header,
                                 protocol,
+                                write_closed,
                             };
                             return Poll::Pending;
                         }
@@ -168,6 +184,7 @@ impl<TInner> Negotiated<TInner> {
                             io,
                             protocol,
                             header: None,
+                            write_closed,
                         };
                         continue;
                     }
@@ -185,7 +202,14 @@ impl<TInner> Negotiated<TInner> {
                     return Poll::Ready(Err(NegotiationError::Failed));
                 }
 
-                _ => panic!("Negotiated: Invalid state"),
+                // gpunode: a negotiation that failed leaves the state invalid; now that a
+                // close can fail it too, later calls get an error instead of a panic.
+                _ => {
+                    return Poll::Ready(Err(ProtocolError::IoError(
+                        io::ErrorKind::BrokenPipe.into(),
+                    )
+                    .into()));
+                }
             }
         }
     }
@@ -213,6 +237,9 @@ enum State<R> {
         header: Option<HeaderLine>,
         /// The expected application protocol (i.e. name and version).
         protocol: Protocol,
+        /// gpunode: whether `poll_close` has closed the write side while the
+        /// confirmation was still awaited.
+        write_closed: bool,
     },
 
     /// In this state, a protocol has been agreed upon and I/O
@@ -295,7 +322,7 @@ where
         match self.project().state.project() {
             StateProj::Completed { io } => io.poll_write(cx, buf),
             StateProj::Expecting { io, .. } => io.poll_write(cx, buf),
-            StateProj::Invalid => panic!("Negotiated: Invalid state"),
+            StateProj::Invalid => Poll::Ready(Err(io::ErrorKind::BrokenPipe.into())),
         }
     }
 
@@ -303,32 +330,48 @@ where
         match self.project().state.project() {
             StateProj::Completed { io } => io.poll_flush(cx),
             StateProj::Expecting { io, .. } => io.poll_flush(cx),
-            StateProj::Invalid => panic!("Negotiated: Invalid state"),
+            StateProj::Invalid => Poll::Ready(Err(io::ErrorKind::BrokenPipe.into())),
         }
     }
 
     fn poll_close(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<(), io::Error>> {
-        // Ensure all data has been flushed, including optimistic multistream-select messages.
-        ready!(
-            self.as_mut()
-                .poll_flush(cx)
-                .map_err(Into::<io::Error>::into)?
-        );
-
-        // Continue with the shutdown of the underlying I/O stream.
-        match self.project().state.project() {
-            StateProj::Completed { io, .. } => io.poll_close(cx),
-            StateProj::Expecting { io, .. } => {
-                let close_poll = io.poll_close(cx);
-                if let Poll::Ready(Ok(())) = close_poll {
-                    tracing::debug!(
-                        "Stream closed. Confirmation from remote for optimstic protocol negotiation still pending"
-                    )
-                }
-                close_poll
+        // gpunode: once the write side is closed, only the confirmation is awaited.
+        let closed = matches!(
+            &self.state,
+            State::Expecting {
+                write_closed: true,
+                ..
             }
-            StateProj::Invalid => panic!("Negotiated: Invalid state"),
+        );
+        if !closed {
+            // Ensure all data has been flushed, including optimistic multistream-select messages.
+            ready!(
+                self.as_mut()
+                    .poll_flush(cx)
+                    .map_err(Into::<io::Error>::into)?
+            );
+
+            // Continue with the shutdown of the underlying I/O stream.
+            match self.as_mut().project().state.project() {
+                StateProj::Completed { io, .. } => return io.poll_close(cx),
+                StateProj::Expecting {
+                    io, write_closed, ..
+                } => {
+                    ready!(io.poll_close(cx))?;
+                    *write_closed = true;
+                }
+                StateProj::Invalid => return Poll::Ready(Err(io::ErrorKind::BrokenPipe.into())),
+            }
         }
+        // gpunode: a lazily negotiated stream is closed only once the listener has
+        // confirmed the protocol. A dialer that writes, closes and drops its stream
+        // (Kademlia's `ADD_PROVIDER`) would otherwise drop it before the confirmation
+        // came: over QUIC that stops the listener's sending side, the listener's write
+        // of its confirmation fails, and its negotiation fails before it reads the
+        // message that had arrived whole. A dialer that reads an answer after closing
+        // waits no longer, since the confirmation comes before the answer; one whose
+        // listener refuses the protocol gets the negotiation's error here.
+        self.poll_confirmation(cx).map_err(Into::into)
     }
 
     fn poll_write_vectored(
@@ -339,7 +382,7 @@ where
         match self.project().state.project() {
             StateProj::Completed { io } => io.poll_write_vectored(cx, bufs),
             StateProj::Expecting { io, .. } => io.poll_write_vectored(cx, bufs),
-            StateProj::Invalid => panic!("Negotiated: Invalid state"),
+            StateProj::Invalid => Poll::Ready(Err(io::ErrorKind::BrokenPipe.into())),
         }
     }
 }
