@@ -185,19 +185,39 @@ async fn the_user_with_less_recent_usage_is_served_first() {
             .expect("ended")
             .unwrap_or_else(|e| panic!("{name}'s job failed: {e}"));
     }
-    // The provider's leases in the order it granted them, after the holder's.
-    let mut granted: Vec<_> = net
-        .provider(0)
-        .handle
-        .list_leases()
-        .await
-        .expect("leases")
-        .into_iter()
-        .filter(|l| l.lease_id != held.lease_id)
+    // The provider's leases in the order it granted them, after the holder's. With one
+    // GPU a lease is granted only once the one before it ended, so the order they ended
+    // in (each record's last change, on the provider's clock) is the order they were
+    // granted in. Their starts are not: a lease the requester proposed starts a little
+    // before the requester's clock said (`PROPOSAL_START_LEAD_MS`), so one granted
+    // a few ms after another can start before it.
+    let deadline = tokio::time::Instant::now() + LONG;
+    let mut granted = loop {
+        let records: Vec<_> = net
+            .provider(0)
+            .handle
+            .list_lease_records()
+            .await
+            .expect("leases")
+            .into_iter()
+            .filter(|l| l.terms.lease_id.to_string() != held.lease_id)
+            .collect();
+        // A job's lease ends at the provider once its requester released it.
+        if records.iter().all(|l| !l.state.holds_resources()) {
+            break records;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "every job's lease ends: {records:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    granted.sort_by_key(|l| l.updated_ms);
+    let light_peer = light.handle.peer_id();
+    let order: Vec<bool> = granted
+        .iter()
+        .map(|l| l.terms.requester == light_peer)
         .collect();
-    granted.sort_by_key(|l| l.start_ms);
-    let light_peer = light.handle.peer_id().to_string();
-    let order: Vec<bool> = granted.iter().map(|l| l.requester == light_peer).collect();
     assert_eq!(order.len(), 4, "{granted:?}");
     assert!(
         order[0],
