@@ -422,6 +422,12 @@ impl NodeHandle {
         self.jobs.events_skipping(prefix, from, wait, skip).await
     }
 
+    /// The providers whose records this node holds under the capability key `key`, as
+    /// its DHT store has them (to see where a lookup should have found a provider).
+    pub async fn providers_held(&self, key: Vec<u8>) -> Result<Vec<PeerId>, NodeError> {
+        self.link.client().providers_held(key).await
+    }
+
     /// The node's status.
     pub async fn status(&self) -> Result<NodeStatus, NodeError> {
         let mut status = self.link.client().status().await?;

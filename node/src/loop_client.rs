@@ -80,6 +80,11 @@ pub(crate) enum Command {
         peer: PeerId,
         reply: oneshot::Sender<bool>,
     },
+    /// The providers whose records this node holds under a capability key.
+    ProvidersHeld {
+        key: Vec<u8>,
+        reply: oneshot::Sender<Vec<PeerId>>,
+    },
     /// How data would travel to `peer` now (`None`: not connected).
     PathTo {
         peer: PeerId,
@@ -147,6 +152,12 @@ impl LoopClient {
     /// Whether this node has a connection to `peer` now.
     pub async fn is_connected(&self, peer: PeerId) -> Result<bool, NodeError> {
         self.ask(|reply| Command::IsConnected { peer, reply }).await
+    }
+
+    /// The providers whose records this node holds under the capability key `key`.
+    pub async fn providers_held(&self, key: Vec<u8>) -> Result<Vec<PeerId>, NodeError> {
+        self.ask(|reply| Command::ProvidersHeld { key, reply })
+            .await
     }
 
     /// How data would travel to `peer` now (`None`: not connected).

@@ -60,6 +60,14 @@ pub struct DiscoveryReport {
     /// Seconds from start until no node had a publication round running or due: the
     /// network is formed, and the lookups are measured from then on.
     pub formed_s: f64,
+    /// Once formed: of the 20 nodes closest to its model's key, how many hold a
+    /// provider's record, for the provider with the fewest (a lookup that stops before
+    /// reaching them can miss it).
+    pub closest_holding_min: usize,
+    /// The same for the median provider.
+    pub closest_holding_median: usize,
+    /// Providers whose record fewer than half of those 20 nodes hold.
+    pub closest_holding_under_half: usize,
 }
 
 /// Mean number of peers each node of `net` has a connection open to.
@@ -140,6 +148,8 @@ pub async fn discovery(n: usize, lookups: usize) -> Result<DiscoveryReport> {
 
     let formed_s = wait_until_quiet(&net, started).await?;
     eprintln!("no publication round running or due after {formed_s:.1} s");
+    let placed = placements(&net, &client).await?;
+    eprintln!("of the {CLOSEST} nodes closest to its model's key, how many hold each provider's record: {placed:?}");
     let mut times = Vec::with_capacity(lookups);
     let mut requests = Vec::with_capacity(lookups);
     let mut complete = 0usize;
@@ -160,6 +170,7 @@ pub async fn discovery(n: usize, lookups: usize) -> Result<DiscoveryReport> {
                 search.providers,
                 search.dht_requests
             );
+            explain_miss(&net, &client, m, &search).await?;
         }
     }
     if times.is_empty() {
@@ -187,12 +198,103 @@ pub async fn discovery(n: usize, lookups: usize) -> Result<DiscoveryReport> {
         nodes_started_s,
         startup_s,
         formed_s,
+        closest_holding_min: placed.first().copied().unwrap_or(0),
+        closest_holding_median: placed.get(placed.len() / 2).copied().unwrap_or(0),
+        closest_holding_under_half: placed.iter().filter(|c| **c < CLOSEST / 2).count(),
     };
     net.shutdown().await;
     Ok(report)
 }
 
 /// Offers of GPU model `BENCH_MODELS[m]`.
+/// Where the provider records under one model's key are held, once: every node of the
+/// network and the client, by distance to the key, and what each holds.
+struct Placement {
+    /// Node indices (the client last) from closest to the key to farthest.
+    by_distance: Vec<usize>,
+    /// The providers each node holds records of under the key, by node index.
+    held: Vec<Vec<libp2p::PeerId>>,
+}
+
+impl Placement {
+    /// The placement of model `m`'s key now.
+    async fn of(net: &TestNet, client: &TestNode, m: usize) -> Result<Placement> {
+        use libp2p::kad::{KBucketKey, RecordKey};
+        let key_bytes = model_filter(m).capability_key();
+        let key = KBucketKey::new(RecordKey::new(&key_bytes));
+        let everyone: Vec<&TestNode> = net.nodes.iter().chain([client]).collect();
+        let mut by_distance: Vec<usize> = (0..everyone.len()).collect();
+        by_distance.sort_by_key(|i| key.distance(&KBucketKey::from(everyone[*i].handle.peer_id())));
+        let mut held = Vec::with_capacity(everyone.len());
+        for n in &everyone {
+            held.push(n.handle.providers_held(key_bytes.clone()).await?);
+        }
+        Ok(Placement { by_distance, held })
+    }
+
+    /// The places (1 = closest to the key) of the nodes holding `provider`'s record.
+    fn places(&self, provider: &libp2p::PeerId) -> Vec<usize> {
+        self.by_distance
+            .iter()
+            .enumerate()
+            .filter(|(_, n)| self.held[**n].contains(provider))
+            .map(|(place, _)| place + 1)
+            .collect()
+    }
+
+    /// How many of the [`CLOSEST`] nodes closest to the key hold `provider`'s record:
+    /// where a lookup looks first.
+    fn closest_holding(&self, provider: &libp2p::PeerId) -> usize {
+        self.places(provider)
+            .iter()
+            .filter(|p| **p <= CLOSEST)
+            .count()
+    }
+}
+
+/// Kademlia's k: the nodes closest to a key that should hold its records.
+const CLOSEST: usize = 20;
+
+/// For every provider of every model: how many of the 20 nodes closest to its model's
+/// key hold its record, sorted.
+async fn placements(net: &TestNet, client: &TestNode) -> Result<Vec<usize>> {
+    let mut counts = Vec::with_capacity(net.nodes.len());
+    for m in 0..BENCH_MODELS.len() {
+        let placement = Placement::of(net, client, m).await?;
+        for node in net.nodes.iter().skip(m).step_by(BENCH_MODELS.len()) {
+            counts.push(placement.closest_holding(&node.handle.peer_id()));
+        }
+    }
+    counts.sort();
+    Ok(counts)
+}
+
+/// Prints where the records of the providers a lookup of model `m` missed are held: by
+/// how many nodes, at which places by distance to the key.
+async fn explain_miss(
+    net: &TestNet,
+    client: &TestNode,
+    m: usize,
+    search: &gpunode_node::views::OfferSearch,
+) -> Result<()> {
+    let placement = Placement::of(net, client, m).await?;
+    let found: std::collections::HashSet<&str> =
+        search.offers.iter().map(|o| o.peer_id.as_str()).collect();
+    for (i, node) in net.nodes.iter().enumerate() {
+        let peer = node.handle.peer_id();
+        if i % BENCH_MODELS.len() != m || found.contains(peer.to_string().as_str()) {
+            continue;
+        }
+        let places = placement.places(&peer);
+        eprintln!(
+            "  missed node {i}: its record held by {} nodes, at places {places:?} of {} by distance to the key",
+            places.len(),
+            placement.by_distance.len(),
+        );
+    }
+    Ok(())
+}
+
 fn model_filter(m: usize) -> OfferFilter {
     OfferFilter {
         gpu_model: Some(BENCH_MODELS[m].to_string()),

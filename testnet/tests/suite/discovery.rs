@@ -65,6 +65,15 @@ async fn queries_return_exactly_the_matching_providers() {
         .await
         .expect("find");
     assert_eq!(ids(&a100), peers_of(&net, &[0, 1, 6]));
+    // Their records are held under the A100 key, and only theirs (`providers_held`, what
+    // the discovery bench reads to say where a missed provider's records were).
+    let key = filter(Some("A100"), None, None).capability_key();
+    let mut held = BTreeSet::new();
+    for node in &net.nodes {
+        let providers = node.handle.providers_held(key.clone()).await.expect("held");
+        held.extend(providers.iter().map(|p| p.to_string()));
+    }
+    assert_eq!(held, peers_of(&net, &[0, 1, 6]));
     let t4 = client
         .handle
         .find_offers(filter(Some("t4"), None, None))
