@@ -423,7 +423,8 @@ impl NodeHandle {
     }
 
     /// The providers whose records this node holds under the capability key `key`, as
-    /// its DHT store has them (to see where a lookup should have found a provider).
+    /// its DHT store has them, expired records included (to see where a lookup should
+    /// have found a provider). A provider holds its own record.
     pub async fn providers_held(&self, key: Vec<u8>) -> Result<Vec<PeerId>, NodeError> {
         self.link.client().providers_held(key).await
     }

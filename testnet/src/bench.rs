@@ -148,7 +148,7 @@ pub async fn discovery(n: usize, lookups: usize) -> Result<DiscoveryReport> {
 
     let formed_s = wait_until_quiet(&net, started).await?;
     eprintln!("no publication round running or due after {formed_s:.1} s");
-    let placed = placements(&net, &client).await?;
+    let placed = placements(&net).await?;
     eprintln!("of the {CLOSEST} nodes closest to its model's key, how many hold each provider's record: {placed:?}");
     let mut times = Vec::with_capacity(lookups);
     let mut requests = Vec::with_capacity(lookups);
@@ -170,7 +170,7 @@ pub async fn discovery(n: usize, lookups: usize) -> Result<DiscoveryReport> {
                 search.providers,
                 search.dht_requests
             );
-            explain_miss(&net, &client, m, &search).await?;
+            explain_miss(&net, m, &search).await?;
         }
     }
     if times.is_empty() {
@@ -206,11 +206,11 @@ pub async fn discovery(n: usize, lookups: usize) -> Result<DiscoveryReport> {
     Ok(report)
 }
 
-/// Offers of GPU model `BENCH_MODELS[m]`.
 /// Where the provider records under one model's key are held, once: every node of the
-/// network and the client, by distance to the key, and what each holds.
+/// network by distance to the key, and what each holds. (The client runs Kademlia in
+/// client mode: nobody stores records at it or asks it, so it is left out.)
 struct Placement {
-    /// Node indices (the client last) from closest to the key to farthest.
+    /// Node indices from closest to the key to farthest.
     by_distance: Vec<usize>,
     /// The providers each node holds records of under the key, by node index.
     held: Vec<Vec<libp2p::PeerId>>,
@@ -218,15 +218,15 @@ struct Placement {
 
 impl Placement {
     /// The placement of model `m`'s key now.
-    async fn of(net: &TestNet, client: &TestNode, m: usize) -> Result<Placement> {
+    async fn of(net: &TestNet, m: usize) -> Result<Placement> {
         use libp2p::kad::{KBucketKey, RecordKey};
         let key_bytes = model_filter(m).capability_key();
         let key = KBucketKey::new(RecordKey::new(&key_bytes));
-        let everyone: Vec<&TestNode> = net.nodes.iter().chain([client]).collect();
-        let mut by_distance: Vec<usize> = (0..everyone.len()).collect();
-        by_distance.sort_by_key(|i| key.distance(&KBucketKey::from(everyone[*i].handle.peer_id())));
-        let mut held = Vec::with_capacity(everyone.len());
-        for n in &everyone {
+        let mut by_distance: Vec<usize> = (0..net.nodes.len()).collect();
+        by_distance
+            .sort_by_key(|i| key.distance(&KBucketKey::from(net.nodes[*i].handle.peer_id())));
+        let mut held = Vec::with_capacity(net.nodes.len());
+        for n in &net.nodes {
             held.push(n.handle.providers_held(key_bytes.clone()).await?);
         }
         Ok(Placement { by_distance, held })
@@ -243,7 +243,8 @@ impl Placement {
     }
 
     /// How many of the [`CLOSEST`] nodes closest to the key hold `provider`'s record:
-    /// where a lookup looks first.
+    /// where a lookup looks first (the provider itself among them, when it is one of
+    /// them: it holds its own record and answers with it).
     fn closest_holding(&self, provider: &libp2p::PeerId) -> usize {
         self.places(provider)
             .iter()
@@ -257,10 +258,10 @@ const CLOSEST: usize = 20;
 
 /// For every provider of every model: how many of the 20 nodes closest to its model's
 /// key hold its record, sorted.
-async fn placements(net: &TestNet, client: &TestNode) -> Result<Vec<usize>> {
+async fn placements(net: &TestNet) -> Result<Vec<usize>> {
     let mut counts = Vec::with_capacity(net.nodes.len());
     for m in 0..BENCH_MODELS.len() {
-        let placement = Placement::of(net, client, m).await?;
+        let placement = Placement::of(net, m).await?;
         for node in net.nodes.iter().skip(m).step_by(BENCH_MODELS.len()) {
             counts.push(placement.closest_holding(&node.handle.peer_id()));
         }
@@ -273,11 +274,10 @@ async fn placements(net: &TestNet, client: &TestNode) -> Result<Vec<usize>> {
 /// how many nodes, at which places by distance to the key.
 async fn explain_miss(
     net: &TestNet,
-    client: &TestNode,
     m: usize,
     search: &gpunode_node::views::OfferSearch,
 ) -> Result<()> {
-    let placement = Placement::of(net, client, m).await?;
+    let placement = Placement::of(net, m).await?;
     let found: std::collections::HashSet<&str> =
         search.offers.iter().map(|o| o.peer_id.as_str()).collect();
     for (i, node) in net.nodes.iter().enumerate() {
@@ -295,6 +295,7 @@ async fn explain_miss(
     Ok(())
 }
 
+/// Offers of GPU model `BENCH_MODELS[m]`.
 fn model_filter(m: usize) -> OfferFilter {
     OfferFilter {
         gpu_model: Some(BENCH_MODELS[m].to_string()),

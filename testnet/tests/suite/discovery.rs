@@ -65,15 +65,33 @@ async fn queries_return_exactly_the_matching_providers() {
         .await
         .expect("find");
     assert_eq!(ids(&a100), peers_of(&net, &[0, 1, 6]));
-    // Their records are held under the A100 key, and only theirs (`providers_held`, what
-    // the discovery bench reads to say where a missed provider's records were).
+    // Their records are held under the A100 key, and only theirs, by nodes other than
+    // themselves too (`providers_held`, what the discovery bench reads to say where a
+    // missed provider's records were; a provider also holds its own record).
     let key = filter(Some("A100"), None, None).capability_key();
-    let mut held = BTreeSet::new();
-    for node in &net.nodes {
-        let providers = node.handle.providers_held(key.clone()).await.expect("held");
-        held.extend(providers.iter().map(|p| p.to_string()));
+    let deadline = tokio::time::Instant::now() + t;
+    loop {
+        let mut held = BTreeSet::new();
+        let mut held_by_others = BTreeSet::new();
+        for node in &net.nodes {
+            let own = node.handle.peer_id();
+            for p in node.handle.providers_held(key.clone()).await.expect("held") {
+                held.insert(p.to_string());
+                if p != own {
+                    held_by_others.insert(p.to_string());
+                }
+            }
+        }
+        assert_eq!(held, peers_of(&net, &[0, 1, 6]), "only A100 providers");
+        if held_by_others == held {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "every A100 provider's record reaches another node: {held_by_others:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    assert_eq!(held, peers_of(&net, &[0, 1, 6]));
     let t4 = client
         .handle
         .find_offers(filter(Some("t4"), None, None))
