@@ -363,6 +363,7 @@ async fn wait_until_visible(net: &TestNet, client: &TestNode, m: usize, want: us
                     eprintln!("client {line}");
                 }
             }
+            explain_miss(net, m, &s).await?;
             bail!(
                 "{}: {} of {want} providers visible after 120s ({} provider records found)",
                 BENCH_MODELS[m],
