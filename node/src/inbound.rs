@@ -30,9 +30,10 @@ pub fn ip_of(addr: &Multiaddr) -> Option<IpAddr> {
     }
 }
 
-/// The address an inbound connection counts against: its IP, except through a relay,
-/// whose IP is the relay's, shared by every member it relays for (the relay limits its
-/// circuits itself).
+/// The address an inbound connection counts against: its IP. One that came through our
+/// relay has none (libp2p gives it `/p2p/<peer>` as its remote address), and is not
+/// counted: the relay's IP would be shared by every member it relays for, and the relay
+/// limits its circuits itself.
 fn counted_ip(remote: &Multiaddr) -> Option<IpAddr> {
     if remote.iter().any(|p| matches!(p, Protocol::P2pCircuit)) {
         return None;
@@ -176,10 +177,16 @@ mod tests {
         let other: Multiaddr = "/ip4/127.0.0.3/udp/4170/quic-v1".parse().expect("addr");
         assert!(full.check(&other).is_ok());
         assert!(IpLimit::new(0, None).check(&a).is_ok(), "0: no limit");
-        // Relayed connections carry the relay's address: not counted against it.
-        let relayed: Multiaddr = "/ip4/127.0.0.2/udp/4170/quic-v1/p2p/12D3KooWRBhwfeP2Y4TCx1SM6s9rUoHhR5STiGwxBhgFRcw3UERE/p2p-circuit"
+        // A connection through our relay has only `/p2p/<peer>` as its remote address
+        // (libp2p-relay's `send_back_addr`), and one shaped as the relay's circuit would
+        // carry the relay's IP: neither is counted against an address.
+        let relayed: Multiaddr = "/p2p/12D3KooWRBhwfeP2Y4TCx1SM6s9rUoHhR5STiGwxBhgFRcw3UERE"
             .parse()
             .expect("addr");
         assert!(full.check(&relayed).is_ok());
+        let circuit: Multiaddr = "/ip4/127.0.0.2/udp/4170/quic-v1/p2p/12D3KooWRBhwfeP2Y4TCx1SM6s9rUoHhR5STiGwxBhgFRcw3UERE/p2p-circuit"
+            .parse()
+            .expect("addr");
+        assert!(full.check(&circuit).is_ok());
     }
 }

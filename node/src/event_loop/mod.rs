@@ -61,22 +61,47 @@ const FIND_TIMEOUT: Duration = Duration::from_secs(8);
 /// The open connections to one peer, oldest first (at most the per-peer cap).
 #[derive(Debug, Default)]
 struct Link {
-    conns: Vec<(libp2p::swarm::ConnectionId, Multiaddr)>,
+    conns: Vec<Conn>,
     /// How many of them go through a relay (counted as they come and go: the loop's
     /// tick asks of every link, and a 200-node test network has 40,000 of them).
     relayed: usize,
 }
 
+/// One open connection of a [`Link`].
+#[derive(Debug)]
+struct Conn {
+    id: libp2p::swarm::ConnectionId,
+    /// The peer's address; for a connection the peer made through our relay, the
+    /// relay's circuit (libp2p gives such a connection only `/p2p/<peer>` as its
+    /// remote address).
+    addr: Multiaddr,
+    relayed: bool,
+}
+
+impl Conn {
+    /// The connection `id` as libp2p describes it: relayed in either direction when
+    /// its dialled or listening address is a relay's circuit.
+    fn new(id: libp2p::swarm::ConnectionId, endpoint: &libp2p::core::ConnectedPoint) -> Conn {
+        use libp2p::core::ConnectedPoint;
+        let relayed = endpoint.is_relayed();
+        let addr = match endpoint {
+            ConnectedPoint::Listener { local_addr, .. } if relayed => local_addr.clone(),
+            _ => endpoint.get_remote_address().clone(),
+        };
+        Conn { id, addr, relayed }
+    }
+}
+
 impl Link {
-    fn add(&mut self, id: libp2p::swarm::ConnectionId, addr: Multiaddr) {
-        self.relayed += usize::from(is_relayed(&addr));
-        self.conns.push((id, addr));
+    fn add(&mut self, conn: Conn) {
+        self.relayed += usize::from(conn.relayed);
+        self.conns.push(conn);
     }
 
     fn remove(&mut self, id: libp2p::swarm::ConnectionId) {
-        if let Some(i) = self.conns.iter().position(|(c, _)| *c == id) {
-            let (_, addr) = self.conns.remove(i);
-            self.relayed -= usize::from(is_relayed(&addr));
+        if let Some(i) = self.conns.iter().position(|c| c.id == id) {
+            let conn = self.conns.remove(i);
+            self.relayed -= usize::from(conn.relayed);
         }
     }
 
@@ -479,8 +504,8 @@ impl EventLoop {
                     .conns
                     .iter()
                     .rev()
-                    .find(|(_, a)| is_relayed(a) == (path == crate::views::LinkPath::Relayed))
-                    .map(|(_, a)| a.to_string())
+                    .find(|c| c.relayed == (path == crate::views::LinkPath::Relayed))
+                    .map(|c| c.addr.to_string())
                     .unwrap_or_default();
                 crate::views::ConnectionView {
                     peer_id: peer.to_string(),
@@ -668,26 +693,49 @@ mod tests {
 
     #[test]
     fn a_link_counts_its_relayed_connections_as_they_come_and_go() {
-        let direct: Multiaddr = "/ip4/198.51.100.7/udp/4170/quic-v1".parse().unwrap();
-        let relayed: Multiaddr = "/ip4/203.0.113.1/udp/4170/quic-v1/p2p/12D3KooWLNvLPJoMh3H4NbzvY77QWRydafF2jZTbs1WwV9ppmj9g/p2p-circuit".parse().unwrap();
-        let (a, b) = (
+        use libp2p::core::{transport::PortUse, ConnectedPoint, Endpoint};
+        let relay = "/ip4/203.0.113.1/udp/4170/quic-v1/p2p/12D3KooWLNvLPJoMh3H4NbzvY77QWRydafF2jZTbs1WwV9ppmj9g/p2p-circuit";
+        let peer = "12D3KooWJRry3dR3cxiVyUMBRonirrTLgshrUVWvNJQkefXkPhF8";
+        let dialed = |address: String| ConnectedPoint::Dialer {
+            address: address.parse().unwrap(),
+            role_override: Endpoint::Dialer,
+            port_use: PortUse::Reuse,
+        };
+        let direct = dialed("/ip4/198.51.100.7/udp/4170/quic-v1".into());
+        let relayed_out = dialed(format!("{relay}/p2p/{peer}"));
+        // The peer reached us through our relay: libp2p's remote address for such a
+        // connection is only `/p2p/<peer>`, the circuit is the local address.
+        let relayed_in = ConnectedPoint::Listener {
+            local_addr: relay.parse().unwrap(),
+            send_back_addr: format!("/p2p/{peer}").parse().unwrap(),
+        };
+        let (a, b, c) = (
             ConnectionId::new_unchecked(1),
             ConnectionId::new_unchecked(2),
+            ConnectionId::new_unchecked(3),
         );
         let mut link = Link::default();
-        link.add(a, relayed.clone());
+        link.add(Conn::new(a, &relayed_out));
         assert!(link.all_relayed());
         assert_eq!(link.path(), crate::views::LinkPath::Relayed);
-        link.add(b, direct);
+        link.add(Conn::new(c, &relayed_in));
+        assert!(
+            link.all_relayed(),
+            "an inbound relayed connection is relayed"
+        );
+        assert_eq!(link.conns[1].addr.to_string(), relay);
+        link.add(Conn::new(b, &direct));
         assert!(link.any_relayed() && !link.all_relayed());
         assert_eq!(link.path(), crate::views::LinkPath::Relayed);
         link.remove(a);
         link.remove(a);
+        link.remove(c);
         assert!(!link.any_relayed());
         assert_eq!(link.path(), crate::views::LinkPath::Direct);
         link.remove(b);
         assert!(link.conns.is_empty() && !link.any_relayed());
-        link.add(a, relayed);
+        link.add(Conn::new(c, &relayed_in));
         assert_eq!(link.relayed, 1);
+        assert_eq!(link.path(), crate::views::LinkPath::Relayed);
     }
 }

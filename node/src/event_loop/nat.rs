@@ -192,8 +192,8 @@ impl EventLoop {
             return;
         }
         let at = Instant::now() + RELAYED_CLOSE_GRACE;
-        for (id, _) in link.conns.iter().filter(|(_, a)| is_relayed(a)) {
-            self.relays.retiring.entry(*id).or_insert(at);
+        for conn in link.conns.iter().filter(|c| c.relayed) {
+            self.relays.retiring.entry(conn.id).or_insert(at);
         }
     }
 

@@ -75,11 +75,10 @@ impl EventLoop {
                 connection_id,
                 ..
             } => {
-                let address = endpoint.get_remote_address().clone();
                 self.connections
                     .entry(peer_id)
                     .or_default()
-                    .add(connection_id, address);
+                    .add(super::Conn::new(connection_id, &endpoint));
                 self.retire_relayed(&peer_id);
                 self.unreachable.reached(&peer_id);
                 self.connection_count.opened();
@@ -133,7 +132,7 @@ impl EventLoop {
                     .connections
                     .get(&peer_id)
                     .and_then(|l| l.conns.last())
-                    .map(|(_, a)| a.clone());
+                    .map(|c| c.addr.clone());
                 for addr in info.listen_addrs {
                     if link
                         .as_ref()

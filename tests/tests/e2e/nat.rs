@@ -109,10 +109,13 @@ fn members_behind_nat_punch_through_and_relay_only_when_allowed() {
         .expect("run");
     assert!(!refused.status.success(), "{}", stdout(&refused));
     let why = stderr(&refused);
-    assert!(
-        why.contains("only through a team relay") && why.contains("--allow-relayed-data"),
-        "{why}"
-    );
+    if !(why.contains("only through a team relay") && why.contains("--allow-relayed-data")) {
+        let logs: Vec<String> = ["c", "a"]
+            .iter()
+            .map(|m| team.member(m).map(|p| p.log()).unwrap_or_default())
+            .collect();
+        panic!("{why}\n{}", logs.join("\n-----\n"));
+    }
     let link = link_to("c", &a).expect("c is connected to a");
     assert_eq!(link["path"], "relayed", "{link}");
     // `gpunode why` on the refused job gives the same reason.
