@@ -71,3 +71,61 @@ fn a_request_is_answered_with_the_twenty_closest_but_the_asker() {
         assert!(answer.iter().all(|p| p.multiaddrs.len() == 1));
     }
 }
+
+/// Our copy also tells whether the peers nearest a query's key have all answered
+/// (`QueryMut::closest_answered`): the provider lookup stops early only then. Peers not
+/// yet asked and peers still being asked have not; a peer whose dial failed has.
+#[test]
+fn a_query_knows_when_the_peers_nearest_its_key_have_answered() {
+    use libp2p::swarm::{
+        dial_opts::DialOpts, ConnectionId, DialError, DialFailure, FromSwarm, NetworkBehaviour,
+        ToSwarm,
+    };
+    use std::task::{Context, Poll};
+
+    let me = PeerId::random();
+    let mut kad = kad::Behaviour::new(me, MemoryStore::new(me));
+    let addr: Multiaddr = "/ip4/127.0.0.1/udp/9/quic-v1".parse().expect("addr");
+    let peers: Vec<PeerId> = (0..12).map(|_| PeerId::random()).collect();
+    for p in &peers {
+        kad.add_address(p, addr.clone());
+    }
+    let key = kad::RecordKey::new(&b"model/a100");
+    let target = KBucketKey::from(key.to_vec());
+    let mut nearest = peers.clone();
+    nearest.sort_by_key(|p| target.distance(&KBucketKey::from(*p)));
+    let query = kad.get_providers(key);
+    let answered = |kad: &mut kad::Behaviour<MemoryStore>, n: usize| {
+        kad.query_mut(&query).expect("running").closest_answered(n)
+    };
+    assert!(!answered(&mut kad, 1), "nobody asked yet");
+
+    // The query asks the nearest peers first, three at a time: it dials them.
+    let mut cx = Context::from_waker(futures::task::noop_waker_ref());
+    let mut dialled = Vec::new();
+    while let Poll::Ready(event) = kad.poll(&mut cx) {
+        if let ToSwarm::Dial { opts } = event {
+            let opts: DialOpts = opts;
+            dialled.push(opts.get_peer_id().expect("a peer"));
+        }
+    }
+    // (A bootstrap of kad's own may dial too, if its timer fires meanwhile.)
+    assert!(
+        nearest[..3].iter().all(|p| dialled.contains(p)),
+        "the three nearest are asked first"
+    );
+    assert!(!answered(&mut kad, 1), "being asked is not having answered");
+
+    for (i, peer) in nearest[..3].iter().enumerate() {
+        kad.on_swarm_event(FromSwarm::DialFailure(DialFailure {
+            peer_id: Some(*peer),
+            error: &DialError::NoAddresses,
+            connection_id: ConnectionId::new_unchecked(i),
+        }));
+    }
+    assert!(answered(&mut kad, 3), "a failed peer counts as answered");
+    assert!(
+        !answered(&mut kad, 4),
+        "the fourth nearest was not asked yet"
+    );
+}

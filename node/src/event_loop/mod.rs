@@ -499,7 +499,7 @@ impl EventLoop {
             .iter()
             .map(|(peer, link)| {
                 let path = link.path();
-                // Show the connection data takes: the direct one when there is one.
+                // Show a connection of the kind the path names (relayed while any is).
                 let address = link
                     .conns
                     .iter()
@@ -670,6 +670,7 @@ impl EventLoop {
         self.watch_gpus();
         self.maintain_relays();
         self.close_retired(now);
+        self.publish_if_settled(now);
         if self.connections.is_empty() {
             self.redial.due(now, &mut self.swarm);
         } else {

@@ -254,6 +254,11 @@ impl EventLoop {
                 }
                 let size = self.routing_table_size();
                 self.metrics.routing_table_peers.set(size as i64);
+                if is_new_peer {
+                    if let Some(own) = self.own.as_mut() {
+                        own.grew_at = tokio::time::Instant::now();
+                    }
+                }
                 // Re-publish whenever the network has doubled since we last published
                 // (growth seen while a round runs is folded into that round, whose end
                 // takes the network's size then as the new base).

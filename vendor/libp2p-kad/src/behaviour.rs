@@ -3379,6 +3379,12 @@ impl QueryMut<'_> {
     pub fn finish(&mut self) {
         self.query.finish()
     }
+
+    /// gpunode: whether the `n` peers closest to the query's target that it knows have
+    /// all answered (or failed, or timed out).
+    pub fn closest_answered(&self, n: usize) -> bool {
+        self.query.closest_answered(n)
+    }
 }
 
 /// An immutable reference to a running query.

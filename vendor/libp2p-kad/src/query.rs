@@ -355,6 +355,15 @@ impl Query {
         self.id
     }
 
+    /// gpunode: see `ClosestPeersIter::closest_answered`; a query of fixed peers (or on
+    /// disjoint paths, which gpunode does not use) counts as answered.
+    pub(crate) fn closest_answered(&self, n: usize) -> bool {
+        match &self.peers.peer_iter {
+            QueryPeerIter::Closest(iter) => iter.closest_answered(n),
+            QueryPeerIter::ClosestDisjoint(_) | QueryPeerIter::Fixed(_) => true,
+        }
+    }
+
     /// Gets the current execution statistics of the query.
     pub(crate) fn stats(&self) -> &QueryStats {
         &self.stats

@@ -386,6 +386,15 @@ impl ClosestPeersIter {
         self.state = State::Finished
     }
 
+    /// gpunode: whether the `n` peers closest to the target that the iterator knows
+    /// have all answered, failed or timed out (all it knows, when fewer).
+    pub fn closest_answered(&self, n: usize) -> bool {
+        self.closest_peers
+            .values()
+            .take(n)
+            .all(|p| !matches!(p.state, PeerState::NotContacted | PeerState::Waiting(_)))
+    }
+
     /// Checks whether the iterator has finished.
     pub fn is_finished(&self) -> bool {
         self.state == State::Finished
