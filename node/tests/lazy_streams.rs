@@ -6,6 +6,9 @@
 //! vendor/README.md) and that a peer refusing the protocol is told apart from a failed
 //! connection.
 
+mod common;
+use common::listen;
+
 use std::time::Duration;
 
 use futures::StreamExt;
@@ -14,7 +17,7 @@ use gpunode_node::network::{negotiate_lazily, refused_protocol, KAD_PROTOCOL};
 use libp2p::kad::store::{MemoryStore, RecordStore};
 use libp2p::kad::{self, RecordKey};
 use libp2p::swarm::{NetworkBehaviour, SwarmEvent};
-use libp2p::{identity, ping, request_response, Multiaddr, Swarm};
+use libp2p::{identity, ping, request_response, Swarm};
 
 #[derive(NetworkBehaviour)]
 struct KadOnly {
@@ -50,18 +53,6 @@ fn kad_server() -> Swarm<KadOnly> {
         kad.set_mode(Some(kad::Mode::Server));
         KadOnly { kad }
     })
-}
-
-/// Starts `swarm` listening on QUIC at 127.0.0.1 and returns where.
-async fn listen<B: NetworkBehaviour>(swarm: &mut Swarm<B>) -> Multiaddr {
-    swarm
-        .listen_on("/ip4/127.0.0.1/udp/0/quic-v1".parse().expect("addr"))
-        .expect("listen");
-    loop {
-        if let SwarmEvent::NewListenAddr { address, .. } = swarm.select_next_some().await {
-            return address;
-        }
-    }
 }
 
 /// Kademlia's `ADD_PROVIDER` is sent without an answer: the dialer writes it, closes

@@ -113,10 +113,11 @@ impl Link {
         self.relayed == self.conns.len()
     }
 
-    /// How data would travel to the peer now: direct once every connection is (a
-    /// relayed one left beside a direct one closes shortly, see `retire_relayed`).
+    /// How data would travel to the peer now: directly wherever a direct connection
+    /// exists, since every new stream takes one (our copy of libp2p-stream prefers them;
+    /// a relayed one left beside it closes shortly, see `retire_relayed`).
     fn path(&self) -> crate::views::LinkPath {
-        if self.any_relayed() {
+        if self.all_relayed() && self.any_relayed() {
             crate::views::LinkPath::Relayed
         } else {
             crate::views::LinkPath::Direct
@@ -499,7 +500,7 @@ impl EventLoop {
             .iter()
             .map(|(peer, link)| {
                 let path = link.path();
-                // Show a connection of the kind the path names (relayed while any is).
+                // Show a connection of the kind the path names (direct while any is).
                 let address = link
                     .conns
                     .iter()
@@ -727,7 +728,11 @@ mod tests {
         assert_eq!(link.conns[1].addr.to_string(), relay);
         link.add(Conn::new(b, &direct));
         assert!(link.any_relayed() && !link.all_relayed());
-        assert_eq!(link.path(), crate::views::LinkPath::Relayed);
+        assert_eq!(
+            link.path(),
+            crate::views::LinkPath::Direct,
+            "streams take the direct connection beside relayed ones"
+        );
         link.remove(a);
         link.remove(a);
         link.remove(c);

@@ -11,6 +11,25 @@ use rand::seq::IteratorRandom as _;
 
 use crate::{AlreadyRegistered, IncomingStreams, handler::NewStream};
 
+/// gpunode: the connection to `peer` a new stream takes: a random direct one, or a random
+/// relayed one where none is direct. Upstream took any at random, so while a relayed
+/// connection and the direct one a hole punch made were both open, half of all streams
+/// went through the relay (where job data need not be allowed) and died when the
+/// relayed connection closed.
+fn preferred(
+    connections: &HashMap<ConnectionId, (PeerId, bool)>,
+    peer: PeerId,
+) -> Option<ConnectionId> {
+    let of_peer = |want_relayed: bool| {
+        connections
+            .iter()
+            .filter(|(_, (p, relayed))| *p == peer && *relayed == want_relayed)
+            .map(|(c, _)| *c)
+            .choose(&mut rand::rng())
+    };
+    of_peer(false).or_else(|| of_peer(true))
+}
+
 pub(crate) struct Shared {
     /// Tracks the supported inbound protocols created via
     /// [`Control::accept`](crate::Control::accept).
@@ -19,7 +38,8 @@ pub(crate) struct Shared {
     /// [`mpsc::Receiver`] in [`IncomingStreams`].
     supported_inbound_protocols: HashMap<StreamProtocol, mpsc::Sender<(PeerId, Stream)>>,
 
-    connections: HashMap<ConnectionId, PeerId>,
+    /// gpunode: each connection's peer, and whether it runs through a relay.
+    connections: HashMap<ConnectionId, (PeerId, bool)>,
     senders: HashMap<ConnectionId, mpsc::Sender<NewStream>>,
 
     /// Tracks channel pairs for a peer whilst we are dialing them.
@@ -108,8 +128,13 @@ impl Shared {
         }
     }
 
-    pub(crate) fn on_connection_established(&mut self, conn: ConnectionId, peer: PeerId) {
-        self.connections.insert(conn, peer);
+    pub(crate) fn on_connection_established(
+        &mut self,
+        conn: ConnectionId,
+        peer: PeerId,
+        relayed: bool,
+    ) {
+        self.connections.insert(conn, (peer, relayed));
     }
 
     pub(crate) fn on_connection_closed(&mut self, conn: ConnectionId) {
@@ -132,12 +157,7 @@ impl Shared {
     }
 
     pub(crate) fn sender(&mut self, peer: PeerId) -> mpsc::Sender<NewStream> {
-        let maybe_sender = self
-            .connections
-            .iter()
-            .filter_map(|(c, p)| (p == &peer).then_some(c))
-            .choose(&mut rand::rng())
-            .and_then(|c| self.senders.get(c));
+        let maybe_sender = preferred(&self.connections, peer).and_then(|c| self.senders.get(&c));
 
         match maybe_sender {
             Some(sender) => {

@@ -135,7 +135,7 @@ impl Opening {
 }
 
 /// Tells the provider no job comes on `stream`, and closes it.
-async fn close_unused(mut stream: Stream) {
+pub(super) async fn close_unused(mut stream: Stream) {
     let _ = framing::write_message(&mut stream, &RequesterMsg::Cancel).await;
     let _ = stream.close().await;
 }

@@ -16,7 +16,7 @@ use super::{JOB_ENDS_LEASE_PROTOCOL, JOB_PROTOCOL};
 use crate::router::framing;
 use crate::LeaseView;
 
-use super::ahead::StreamAhead;
+use super::ahead::{close_unused, StreamAhead};
 use super::prepare::{LocalFile, Prepared};
 use super::types::*;
 use super::*;
@@ -38,25 +38,74 @@ impl Requester {
     /// gets [`PUNCH_WAIT`] for a hole punch to succeed, and is then refused with the fix,
     /// unless relayed data is allowed.
     async fn direct_or_allowed(&self, provider: PeerId, req: &JobRequest) -> Result<(), String> {
-        if self.relayed_data || req.allow_relayed_data {
+        if self.relayed_data_allowed(req) {
             return Ok(());
         }
         let deadline = tokio::time::Instant::now() + PUNCH_WAIT;
         loop {
-            match self.negotiator.loop_client().path_to(provider).await {
-                Ok(Some(crate::views::LinkPath::Relayed)) => {}
-                // Direct, or not connected (the stream dials whatever works).
+            match self.path_to(provider).await {
+                Some(crate::views::LinkPath::Relayed) => {}
+                // Direct, or not connected: the stream dials whatever works, and where
+                // that is a relay, `on_allowed_path` turns the stream down.
                 _ => return Ok(()),
             }
             if tokio::time::Instant::now() >= deadline {
-                return Err(format!(
-                    "provider {provider} is reachable only through a team relay (hole punching failed, \
-                     e.g. behind a symmetric NAT), and job data does not go through relays unless allowed: \
-                     rerun with --allow-relayed-data (or set allow_relayed_data = true in the config), \
-                     or forward the provider's port (gpunode doctor on it names the port)"
-                ));
+                return Err(only_relayed(provider));
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    fn relayed_data_allowed(&self, req: &JobRequest) -> bool {
+        self.relayed_data || req.allow_relayed_data
+    }
+
+    async fn path_to(&self, provider: PeerId) -> Option<crate::views::LinkPath> {
+        self.negotiator
+            .loop_client()
+            .path_to(provider)
+            .await
+            .ok()
+            .flatten()
+    }
+
+    /// `stream`, opened to `provider`, where job data may take its path: a stream takes a
+    /// direct connection wherever one exists (our copy of libp2p-stream prefers them), so
+    /// once open it runs through a relay exactly when no direct connection exists. Such a
+    /// stream, unless relayed data is allowed, is closed, and the provider gets the wait
+    /// for a hole punch and one more stream.
+    async fn on_allowed_path(
+        &self,
+        provider: PeerId,
+        req: &JobRequest,
+        opened: (libp2p::Stream, bool),
+    ) -> Result<(libp2p::Stream, bool), Attempt> {
+        if self.relayed_data_allowed(req)
+            || self.path_to(provider).await == Some(crate::views::LinkPath::Direct)
+        {
+            return Ok(opened);
+        }
+        close_unused(opened.0).await;
+        self.direct_or_allowed(provider, req)
+            .await
+            .map_err(Attempt::OnlyRelayed)?;
+        match self.path_to(provider).await {
+            Some(crate::views::LinkPath::Direct) => {}
+            Some(crate::views::LinkPath::Relayed) => {
+                return Err(Attempt::OnlyRelayed(only_relayed(provider)))
+            }
+            None => {
+                return Err(Attempt::Retry(
+                    "the connection to the provider closed".into(),
+                ))
+            }
+        }
+        let one_job = req.reservation.is_none();
+        let opening = open_job_stream(self.control.clone(), provider, one_job);
+        match tokio::time::timeout(OPEN_TIMEOUT, opening).await {
+            Ok(Ok(opened)) => Ok(opened),
+            Ok(Err(e)) => Err(Attempt::Retry(format!("cannot open a job stream: {e}"))),
+            Err(_) => Err(Attempt::Retry("opening a job stream timed out".into())),
         }
     }
 
@@ -91,13 +140,17 @@ impl Requester {
                 tokio::time::timeout(OPEN_TIMEOUT, opening).await
             }
         };
-        let stream = match opened {
-            Ok(Ok((s, ends_lease))) => {
+        let opened = match opened {
+            Ok(Ok(opened)) => opened,
+            Ok(Err(e)) => return Attempt::Retry(format!("cannot open a job stream: {e}")),
+            Err(_) => return Attempt::Retry("opening a job stream timed out".into()),
+        };
+        let stream = match self.on_allowed_path(provider, req, opened).await {
+            Ok((s, ends_lease)) => {
                 *provider_ends_lease = ends_lease;
                 s
             }
-            Ok(Err(e)) => return Attempt::Retry(format!("cannot open a job stream: {e}")),
-            Err(_) => return Attempt::Retry("opening a job stream timed out".into()),
+            Err(attempt) => return attempt,
         };
         let (mut r, mut w) = AsyncReadExt::split(stream);
         let submit = prepared.submit(req, lease_id);
@@ -309,6 +362,16 @@ where
 /// Opens the job stream to `provider`: for a lease's only job, the variant on which the
 /// provider ends the lease with the job (true), or, where the provider does not serve it
 /// (an older version), the first job protocol (false).
+/// Why a job is not sent to `provider`: it is reached only through a relay, and what to do.
+fn only_relayed(provider: PeerId) -> String {
+    format!(
+        "provider {provider} is reachable only through a team relay (hole punching failed, \
+         e.g. behind a symmetric NAT), and job data does not go through relays unless allowed: \
+         rerun with --allow-relayed-data (or set allow_relayed_data = true in the config), \
+         or forward the provider's port (gpunode doctor on it names the port)"
+    )
+}
+
 pub(super) async fn open_job_stream(
     mut control: libp2p_stream::Control,
     provider: PeerId,
