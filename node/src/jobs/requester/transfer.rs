@@ -36,18 +36,21 @@ pub(super) enum Attempt {
 impl Requester {
     /// Job data goes over a direct connection: a provider reached only through a relay
     /// gets [`PUNCH_WAIT`] for a hole punch to succeed, and is then refused with the fix,
-    /// unless relayed data is allowed.
-    async fn direct_or_allowed(&self, provider: PeerId, req: &JobRequest) -> Result<(), String> {
+    /// unless relayed data is allowed. `Ok(true)` where the provider was not connected at
+    /// all: the job stream then dials whatever works, so its path is looked at once it is
+    /// open ([`Requester::on_allowed_path`]).
+    async fn direct_or_allowed(&self, provider: PeerId, req: &JobRequest) -> Result<bool, String> {
         if self.relayed_data_allowed(req) {
-            return Ok(());
+            return Ok(false);
         }
         let deadline = tokio::time::Instant::now() + PUNCH_WAIT;
         loop {
             match self.path_to(provider).await {
                 Some(crate::views::LinkPath::Relayed) => {}
-                // Direct, or not connected: the stream dials whatever works, and where
-                // that is a relay, `on_allowed_path` turns the stream down.
-                _ => return Ok(()),
+                // A new stream takes a direct connection (our copy of libp2p-stream
+                // prefers them).
+                Some(crate::views::LinkPath::Direct) => return Ok(false),
+                None => return Ok(true),
             }
             if tokio::time::Instant::now() >= deadline {
                 return Err(only_relayed(provider));
@@ -69,20 +72,18 @@ impl Requester {
             .flatten()
     }
 
-    /// `stream`, opened to `provider`, where job data may take its path: a stream takes a
-    /// direct connection wherever one exists (our copy of libp2p-stream prefers them), so
-    /// once open it runs through a relay exactly when no direct connection exists. Such a
-    /// stream, unless relayed data is allowed, is closed, and the provider gets the wait
-    /// for a hole punch and one more stream.
+    /// `stream`, opened to `provider` by a dial, where job data may take its path: a
+    /// stream takes a direct connection wherever one exists (our copy of libp2p-stream
+    /// prefers them), so once open it runs through a relay exactly when no direct
+    /// connection exists. Such a stream is closed, and the provider gets the wait for a
+    /// hole punch and one more stream.
     async fn on_allowed_path(
         &self,
         provider: PeerId,
         req: &JobRequest,
         opened: (libp2p::Stream, bool),
     ) -> Result<(libp2p::Stream, bool), Attempt> {
-        if self.relayed_data_allowed(req)
-            || self.path_to(provider).await == Some(crate::views::LinkPath::Direct)
-        {
+        if self.path_to(provider).await == Some(crate::views::LinkPath::Direct) {
             return Ok(opened);
         }
         close_unused(opened.0).await;
@@ -124,9 +125,10 @@ impl Requester {
         ) else {
             return Attempt::Fatal("the lease names an invalid provider or id".into());
         };
-        if let Err(why) = self.direct_or_allowed(provider, req).await {
-            return Attempt::OnlyRelayed(why);
-        }
+        let dials = match self.direct_or_allowed(provider, req).await {
+            Ok(dials) => dials,
+            Err(why) => return Attempt::OnlyRelayed(why),
+        };
         let one_job = req.reservation.is_none();
         // The stream opened ahead (waited for within its freshness), else a new one
         // with the whole of OPEN_TIMEOUT.
@@ -145,13 +147,15 @@ impl Requester {
             Ok(Err(e)) => return Attempt::Retry(format!("cannot open a job stream: {e}")),
             Err(_) => return Attempt::Retry("opening a job stream timed out".into()),
         };
-        let stream = match self.on_allowed_path(provider, req, opened).await {
-            Ok((s, ends_lease)) => {
-                *provider_ends_lease = ends_lease;
-                s
+        let (stream, ends_lease) = if dials {
+            match self.on_allowed_path(provider, req, opened).await {
+                Ok(opened) => opened,
+                Err(attempt) => return attempt,
             }
-            Err(attempt) => return attempt,
+        } else {
+            opened
         };
+        *provider_ends_lease = ends_lease;
         let (mut r, mut w) = AsyncReadExt::split(stream);
         let submit = prepared.submit(req, lease_id);
         let lost = |e: std::io::Error| Attempt::Retry(format!("the provider went away: {e}"));
