@@ -270,6 +270,12 @@ fn behaviour(
         .set_provider_publication_interval(None)
         .set_provider_record_ttl(Some(settings.provider_record_ttl))
         .set_max_packet_size(64 * 1024);
+    // A provider lookup stops once the peers nearest the key have answered
+    // (`event_loop::finds`): once stalled, it asks no more of them at once than that
+    // (`docs/benchmarks.md`, "Where a lookup's time goes now").
+    kad_config.set_provider_lookup_burst(
+        std::num::NonZeroUsize::new(crate::event_loop::CLOSEST_ANSWERED).expect("nonzero"),
+    );
     let mut kad = kad::Behaviour::with_config(peer_id, store, kad_config);
     kad.set_mode(Some(if settings.server {
         kad::Mode::Server

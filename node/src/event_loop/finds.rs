@@ -47,7 +47,9 @@ const QUIET_ANSWERS: u32 = 5;
 /// network stops growing"). A near peer that is dead or slow is waited for at most
 /// [`ANSWER_GAP`] past agreement: meanwhile Kademlia asks peers further out, whose
 /// answers would otherwise keep the lookup going until the dead peer's dial failed.
-const CLOSEST_ANSWERED: usize = 8;
+/// It is also the most requests a lookup keeps in flight once its walk has stalled
+/// (`network.rs`): a walk stopped at these peers' answers has no use for more.
+pub(crate) const CLOSEST_ANSWERED: usize = 8;
 /// A response naming this many providers may have left some out: a Kademlia node
 /// answers with at most k = 20 of the providers it holds for a key (a random 20, see
 /// `crate::dht_store`). Once one does, the lookup does not stop early on agreement but

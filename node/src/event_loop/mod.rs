@@ -35,6 +35,7 @@ mod nat;
 mod publish;
 mod swarm;
 
+pub(crate) use finds::CLOSEST_ANSWERED;
 use finds::{ParkedFinds, PendingFind};
 
 pub(crate) use leases::capacity_from;

@@ -257,6 +257,19 @@ impl Config {
         self
     }
 
+    /// gpunode: sets the most requests a provider lookup keeps in flight once it has
+    /// stalled (a round of answers brought no peer closer to the key).
+    ///
+    /// Upstream lets every walk then wait for up to the replication factor (k = 20) at
+    /// once, the Kademlia paper's "resend to all of the k closest". A caller that stops
+    /// a provider lookup once the `n` peers nearest the key have answered needs no more
+    /// than `n` of them in flight: the rest of the burst is sent and never waited for.
+    /// Other walks (closest peers, record lookups, bootstrap) keep upstream's burst.
+    pub fn set_provider_lookup_burst(&mut self, burst: NonZeroUsize) -> &mut Self {
+        self.query_config.provider_lookup_burst = Some(burst);
+        self
+    }
+
     /// Sets the allowed level of parallelism for iterative queries.
     ///
     /// The `α` parameter in the Kademlia paper. The maximum number of peers

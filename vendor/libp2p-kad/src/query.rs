@@ -149,9 +149,14 @@ impl QueryPool {
             _ => self.config.replication_factor,
         };
 
+        let stalled_parallelism = match info {
+            QueryInfo::GetProviders { .. } => self.config.provider_lookup_burst,
+            _ => None,
+        };
         let cfg = ClosestPeersIterConfig {
             num_results,
             parallelism: self.config.parallelism,
+            stalled_parallelism,
             ..ClosestPeersIterConfig::default()
         };
 
@@ -265,6 +270,10 @@ pub(crate) struct QueryConfig {
     ///
     /// See [`crate::behaviour::Config::disjoint_query_paths`] for details.
     pub(crate) disjoint_query_paths: bool,
+    /// gpunode: most requests a provider lookup keeps in flight once it has stalled.
+    ///
+    /// See [`crate::behaviour::Config::set_provider_lookup_burst`] for details.
+    pub(crate) provider_lookup_burst: Option<NonZeroUsize>,
 }
 
 impl Default for QueryConfig {
@@ -274,6 +283,7 @@ impl Default for QueryConfig {
             replication_factor: NonZeroUsize::new(K_VALUE.get()).expect("K_VALUE > 0"),
             parallelism: ALPHA_VALUE,
             disjoint_query_paths: false,
+            provider_lookup_burst: None,
         }
     }
 }

@@ -76,6 +76,10 @@ pub struct ClosestPeersIterConfig {
     /// the peer when evaluating the termination conditions, until and unless a
     /// result is delivered. Defaults to `10` seconds.
     pub peer_timeout: Duration,
+
+    /// gpunode: most peers waited for at once once the iterator has stalled (a round
+    /// brought no closer peer). `None`: `max(num_results, parallelism)`, upstream's.
+    pub stalled_parallelism: Option<NonZeroUsize>,
 }
 
 impl Default for ClosestPeersIterConfig {
@@ -84,6 +88,7 @@ impl Default for ClosestPeersIterConfig {
             parallelism: ALPHA_VALUE,
             num_results: K_VALUE,
             peer_timeout: Duration::from_secs(10),
+            stalled_parallelism: None,
         }
     }
 }
@@ -423,8 +428,11 @@ impl ClosestPeersIter {
     fn at_capacity(&self) -> bool {
         match self.state {
             State::Stalled => {
-                self.num_waiting
-                    >= usize::max(self.config.num_results.get(), self.config.parallelism.get())
+                let burst = self
+                    .config
+                    .stalled_parallelism
+                    .unwrap_or(self.config.num_results);
+                self.num_waiting >= usize::max(burst.get(), self.config.parallelism.get())
             }
             State::Iterating { .. } => self.num_waiting >= self.config.parallelism.get(),
             State::Finished => true,
@@ -557,6 +565,7 @@ mod tests {
                 parallelism: NonZeroUsize::new(g.gen_range(1..10)).unwrap(),
                 num_results: NonZeroUsize::new(g.gen_range(1..25)).unwrap(),
                 peer_timeout: Duration::from_secs(g.gen_range(10..30)),
+                stalled_parallelism: None,
             };
             ClosestPeersIter::with_config(config, target, known_closest_peers)
         }

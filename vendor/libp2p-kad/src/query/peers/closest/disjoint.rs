@@ -594,6 +594,7 @@ mod tests {
                 parallelism: Parallelism::arbitrary(g).0,
                 num_results: NumResults::arbitrary(g).0,
                 peer_timeout: Duration::from_secs(1),
+                stalled_parallelism: None,
             }
         }
     }
