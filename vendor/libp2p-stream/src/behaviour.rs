@@ -18,6 +18,13 @@ use swarm::{
 
 use crate::{Control, handler::Handler, shared::Shared};
 
+/// gpunode: whether a connection at `addr` (the dialled address, or a listener's local
+/// one) runs through a relay.
+fn through_relay(addr: &Multiaddr) -> bool {
+    addr.iter()
+        .any(|p| p == libp2p_core::multiaddr::Protocol::P2pCircuit)
+}
+
 /// A generic behaviour for stream-oriented protocols.
 pub struct Behaviour {
     shared: Arc<Mutex<Shared>>,
@@ -70,13 +77,15 @@ impl NetworkBehaviour for Behaviour {
         &mut self,
         connection_id: ConnectionId,
         peer: PeerId,
-        _: &Multiaddr,
+        local_addr: &Multiaddr,
         _: &Multiaddr,
     ) -> Result<THandler<Self>, ConnectionDenied> {
+        // gpunode: a connection made to us through a relay has the circuit as its local
+        // address (as `ConnectedPoint::is_relayed` reads it).
         Ok(Handler::new(
             peer,
             self.shared.clone(),
-            Shared::lock(&self.shared).receiver(peer, connection_id),
+            Shared::lock(&self.shared).receiver(peer, connection_id, through_relay(local_addr)),
         ))
     }
 
@@ -84,14 +93,14 @@ impl NetworkBehaviour for Behaviour {
         &mut self,
         connection_id: ConnectionId,
         peer: PeerId,
-        _: &Multiaddr,
+        addr: &Multiaddr,
         _: Endpoint,
         _: PortUse,
     ) -> Result<THandler<Self>, ConnectionDenied> {
         Ok(Handler::new(
             peer,
             self.shared.clone(),
-            Shared::lock(&self.shared).receiver(peer, connection_id),
+            Shared::lock(&self.shared).receiver(peer, connection_id, through_relay(addr)),
         ))
     }
 
@@ -110,18 +119,30 @@ impl NetworkBehaviour for Behaviour {
             FromSwarm::ConnectionClosed(ConnectionClosed { connection_id, .. }) => {
                 Shared::lock(&self.shared).on_connection_closed(connection_id)
             }
+            // gpunode: a connection whose handler we made and that another behaviour then
+            // denied never comes as established or closed.
+            FromSwarm::ListenFailure(swarm::ListenFailure { connection_id, .. }) => {
+                Shared::lock(&self.shared).on_connection_closed(connection_id)
+            }
             FromSwarm::DialFailure(DialFailure {
-                peer_id: Some(peer_id),
-                error:
-                    error @ (DialError::Transport(_)
-                    | DialError::Denied { .. }
-                    | DialError::NoAddresses
-                    | DialError::WrongPeerId { .. }),
-                ..
+                peer_id,
+                error,
+                connection_id,
             }) => {
-                let reason = error.to_string(); // We can only forward the string repr but it is better than nothing.
-
-                Shared::lock(&self.shared).on_dial_failure(peer_id, reason)
+                let mut shared = Shared::lock(&self.shared);
+                shared.on_connection_closed(connection_id); // gpunode: as above
+                if let Some(peer_id) = peer_id {
+                    if matches!(
+                        error,
+                        DialError::Transport(_)
+                            | DialError::Denied { .. }
+                            | DialError::NoAddresses
+                            | DialError::WrongPeerId { .. }
+                    ) {
+                        // We can only forward the string repr but it is better than nothing.
+                        shared.on_dial_failure(peer_id, error.to_string())
+                    }
+                }
             }
             _ => {}
         }

@@ -139,6 +139,9 @@ impl Shared {
 
     pub(crate) fn on_connection_closed(&mut self, conn: ConnectionId) {
         self.connections.remove(&conn);
+        // gpunode: upstream kept every closed connection's sender, one entry per
+        // connection the node ever had.
+        self.senders.remove(&conn);
     }
 
     pub(crate) fn on_dial_failure(&mut self, peer: PeerId, reason: String) {
@@ -180,11 +183,17 @@ impl Shared {
         }
     }
 
+    /// gpunode: the connection counts from here, as its handler is made, not from the
+    /// swarm's `ConnectionEstablished` that follows. A stream asked for in between took
+    /// the peer for unconnected, asked for a dial that the connection made needless (and
+    /// the swarm skipped), and waited for a connection that never came.
     pub(crate) fn receiver(
         &mut self,
         peer: PeerId,
         connection: ConnectionId,
+        relayed: bool,
     ) -> mpsc::Receiver<NewStream> {
+        self.connections.insert(connection, (peer, relayed));
         if let Some((sender, receiver)) = self.pending_channels.remove(&peer) {
             tracing::debug!(%peer, %connection, "Returning existing pending receiver");
 
