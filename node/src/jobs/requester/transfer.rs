@@ -363,9 +363,6 @@ where
     }
 }
 
-/// Opens the job stream to `provider`: for a lease's only job, the variant on which the
-/// provider ends the lease with the job (true), or, where the provider does not serve it
-/// (an older version), the first job protocol (false).
 /// Why a job is not sent to `provider`: it is reached only through a relay, and what to do.
 fn only_relayed(provider: PeerId) -> String {
     format!(
@@ -376,6 +373,9 @@ fn only_relayed(provider: PeerId) -> String {
     )
 }
 
+/// Opens the job stream to `provider`: for a lease's only job, the variant on which the
+/// provider ends the lease with the job (true), or, where the provider does not serve it
+/// (an older version), the first job protocol (false).
 pub(super) async fn open_job_stream(
     mut control: libp2p_stream::Control,
     provider: PeerId,
