@@ -74,9 +74,11 @@ impl Requester {
 
     /// `stream`, opened to `provider` by a dial, where job data may take its path: a
     /// stream takes a direct connection wherever one exists (our copy of libp2p-stream
-    /// prefers them), so once open it runs through a relay exactly when no direct
-    /// connection exists. Such a stream is closed, and the provider gets the wait for a
-    /// hole punch and one more stream.
+    /// prefers them), so where none exists once it is open it runs through a relay. Such
+    /// a stream is closed, and the provider gets the wait for a hole punch and one more
+    /// stream. Not caught: a hole punch that ends between the stream's opening on a
+    /// relayed connection and this look (the stream then dies with the relayed
+    /// connection, and the attempt is retried).
     async fn on_allowed_path(
         &self,
         provider: PeerId,
