@@ -12,7 +12,7 @@ use libp2p_swarm::{
     THandlerInEvent, THandlerOutEvent, ToSwarm, dial_opts::DialOpts,
 };
 use swarm::{
-    ConnectionClosed, DialError, DialFailure, behaviour::ConnectionEstablished,
+    ConnectionClosed, DialError, DialFailure,
     dial_opts::PeerCondition,
 };
 
@@ -106,16 +106,8 @@ impl NetworkBehaviour for Behaviour {
 
     fn on_swarm_event(&mut self, event: FromSwarm) {
         match event {
-            FromSwarm::ConnectionEstablished(ConnectionEstablished {
-                peer_id,
-                connection_id,
-                endpoint,
-                ..
-            }) => Shared::lock(&self.shared).on_connection_established(
-                connection_id,
-                peer_id,
-                endpoint.is_relayed(), // gpunode: see `shared::preferred`
-            ),
+            // gpunode: a connection is recorded as its handler is made (`Shared::receiver`),
+            // before the swarm's `ConnectionEstablished`.
             FromSwarm::ConnectionClosed(ConnectionClosed { connection_id, .. }) => {
                 Shared::lock(&self.shared).on_connection_closed(connection_id)
             }

@@ -128,15 +128,6 @@ impl Shared {
         }
     }
 
-    pub(crate) fn on_connection_established(
-        &mut self,
-        conn: ConnectionId,
-        peer: PeerId,
-        relayed: bool,
-    ) {
-        self.connections.insert(conn, (peer, relayed));
-    }
-
     pub(crate) fn on_connection_closed(&mut self, conn: ConnectionId) {
         self.connections.remove(&conn);
         // gpunode: upstream kept every closed connection's sender, one entry per
