@@ -465,8 +465,8 @@ fn job_service(
         Some(_) => data_dir.container_jobs_dir(),
         None => data_dir.jobs_dir(),
     };
-    // Working directories left by a crash are stale: their jobs are gone.
-    let _ = std::fs::remove_dir_all(&jobs_dir);
+    // Working directories left by a crash are stale (their jobs are gone): removed here.
+    let job_dirs = jobs::provider::JobDirs::open(jobs_dir);
     if config.backends.iter().any(|b| b == "wasm") {
         // A worker process started ahead of need per CPU slot: a task skips the start.
         executor.keep_workers_ready(cores as usize);
@@ -479,7 +479,7 @@ fn job_service(
         executor,
         containers,
         blobs: Arc::new(blobs),
-        jobs_dir,
+        job_dirs,
         lease_jobs: lease_jobs.clone(),
         slots: jobs::slots::Slots::new(cores),
         total_slots: cores,

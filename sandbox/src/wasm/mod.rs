@@ -366,27 +366,27 @@ impl WasmExecutor {
     /// then linked, instantiated and run with a WASI context, stdout and an `/output`
     /// directory), so that a worker started ahead of need has paid, while it waited,
     /// what a process's first guest pays: code paged in, trap handlers, allocators and
-    /// WASI's runtime set up. Its `/output` is a directory of its own in the cache
-    /// directory, removed after.
+    /// WASI's runtime set up. Its `/output` is one directory in the cache directory,
+    /// kept, shared by every worker: the guest truncates and rewrites the same small
+    /// file there, where a directory and a file made and removed for each worker cost
+    /// two new inodes per task (on ext4 without a journal, each a search past every
+    /// inode deleted in the last one to six minutes).
     pub(crate) fn warm_up(&self) -> Result<(), SandboxError> {
         let task = self.compile(WARM_UP_GUEST.as_bytes(), false)?;
-        let output_dir = self
-            .cache_dir
-            .join(format!("warm-up-{}", std::process::id()));
+        let output_dir = self.cache_dir.join("warm-up");
         let outcome = self.run_here(
             &task,
             RunSpec {
                 args: Vec::new(),
                 env: Vec::new(),
                 input_dir: None,
-                output_dir: output_dir.clone(),
+                output_dir,
                 limits: Limits::default(),
                 stdout: Box::new(|_| {}),
                 stderr: Box::new(|_| {}),
                 cancel: CancelToken::new(),
             },
         );
-        let _ = std::fs::remove_dir_all(&output_dir);
         match outcome? {
             Outcome::Exited(0) => Ok(()),
             other => Err(SandboxError::Setup(format!("warm-up ended {other:?}"))),

@@ -174,6 +174,14 @@ async fn the_job_stops_when_its_lease_ends() {
     let (view, mut from) = start_spinning_forever(client, dir.path()).await;
     let provider = net.provider(0);
     assert_eq!(provider.handle.metrics().jobs_running.get(), 1);
+    let jobs_dir = provider.data_dir().jobs_dir();
+    let names = |dir: &std::path::Path| -> Vec<std::ffi::OsString> {
+        std::fs::read_dir(dir)
+            .map(|d| d.flatten().map(|e| e.file_name()).collect())
+            .unwrap_or_default()
+    };
+    let while_running = names(&jobs_dir);
+    assert_eq!(while_running.len(), 1, "the running job's directory");
     let lease = client
         .handle
         .get_job(&view.job_id)
@@ -200,10 +208,10 @@ async fn the_job_stops_when_its_lease_ends() {
         .metrics()
         .encode()
         .contains("gpunode_jobs_run_total{outcome=\"cancelled\"} 1"));
-    // Removed on a blocking thread after the exchange.
-    let jobs_dir = provider.data_dir().jobs_dir();
+    // Removed on a blocking thread after the exchange; what stays is the one fresh
+    // directory made there for the next job.
     let deadline = tokio::time::Instant::now() + LONG;
-    while std::fs::read_dir(&jobs_dir).map_or(0, |d| d.count()) > 0 {
+    while names(&jobs_dir).iter().any(|n| while_running.contains(n)) || names(&jobs_dir).len() > 1 {
         assert!(
             tokio::time::Instant::now() < deadline,
             "job directory not cleaned up"

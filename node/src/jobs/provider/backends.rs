@@ -8,7 +8,7 @@ use gpunode_sandbox::wasm::{Limits, Outcome, OutputSink, RunSpec};
 use gpunode_sandbox::SandboxError;
 use tokio::task::JoinHandle;
 
-use super::run::JobDir;
+use super::workdir::JobDir;
 use super::{reject, Admitted, JobService, Ready};
 use crate::jobs::JobControl;
 

@@ -7,7 +7,7 @@
 //! is stopped when its requester cancels or disappears, at its timeout, and when its
 //! lease ends ([`super::LeaseJobs`]); its working directory is removed in every case.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -32,8 +32,10 @@ use futures::future::BoxFuture;
 
 mod backends;
 mod run;
+mod workdir;
 
 pub use run::outcome_status;
+pub use workdir::JobDirs;
 
 /// Smallest wasm memory a job gets when its lease reserved no RAM.
 const DEFAULT_JOB_MEMORY: u64 = 256 << 20;
@@ -56,8 +58,8 @@ pub struct JobService {
     pub containers: Option<Arc<ContainerRuntime>>,
     /// Modules and inputs by hash.
     pub blobs: Arc<BlobCache>,
-    /// Where job working directories go.
-    pub jobs_dir: PathBuf,
+    /// Where job working directories are made.
+    pub job_dirs: Arc<JobDirs>,
     /// Running jobs by lease.
     pub lease_jobs: LeaseJobs,
     /// One slot per offered CPU core; a job holds as many as its lease has CPUs, and

@@ -19,6 +19,7 @@ use gpunode_sandbox::SandboxError;
 use libp2p::PeerId;
 use tokio::sync::mpsc;
 
+use super::workdir::JobDir;
 use super::{reject, Admitted, JobService, Ready};
 use crate::jobs::blobs::BlobCache;
 use crate::jobs::wire;
@@ -193,7 +194,7 @@ impl JobService {
                 .blob()
                 .is_some_and(|b| !missing.iter().any(|m| m.hash == b.hash)),
         };
-        let workdir = JobDir::create(&self.jobs_dir)?;
+        let workdir = self.job_dirs.take()?;
         if let Err(e) = self.materialize_inputs(&submit.inputs, &workdir.input()) {
             let rej = reject(
                 JobRefusal::ProviderError,
@@ -448,53 +449,6 @@ struct Unregister<'a>(&'a LeaseJobs, gpunode_protocol::lease::LeaseId, u64);
 impl Drop for Unregister<'_> {
     fn drop(&mut self) {
         self.0.remove(self.1, self.2);
-    }
-}
-
-/// A job's working directory, removed when dropped.
-pub(super) struct JobDir(PathBuf);
-
-impl JobDir {
-    /// A fresh working directory. A container job runs as a uid of its own, so the
-    /// path down to its `input` must be traversable by others (0711: no listing) and
-    /// `input` readable; `output` is handed to the job's uid by the sandbox.
-    fn create(root: &Path) -> std::io::Result<JobDir> {
-        use std::os::unix::fs::PermissionsExt;
-        let dir = root.join(format!("{:016x}", rand::random::<u64>()));
-        std::fs::create_dir_all(dir.join("input"))?;
-        std::fs::create_dir_all(dir.join("output"))?;
-        let job = JobDir(dir);
-        let set =
-            |p: &Path, mode| std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode));
-        set(root, 0o711)?;
-        set(&job.0, 0o711)?;
-        set(&job.input(), 0o755)?;
-        Ok(job)
-    }
-    pub(super) fn input(&self) -> PathBuf {
-        self.0.join("input")
-    }
-    pub(super) fn output(&self) -> PathBuf {
-        self.0.join("output")
-    }
-}
-
-impl Drop for JobDir {
-    /// Removed on a blocking thread where there is a runtime: a job's outputs can be
-    /// many files, and the exchange's end (its lease's end, its receipt) does not wait
-    /// for them. A node that stops first leaves the directory to its next start, which
-    /// clears the jobs directory.
-    fn drop(&mut self) {
-        let dir = std::mem::take(&mut self.0);
-        let remove = move || {
-            if let Err(e) = std::fs::remove_dir_all(&dir) {
-                tracing::warn!("cannot remove job directory {}: {e}", dir.display());
-            }
-        };
-        match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => drop(runtime.spawn_blocking(remove)),
-            Err(_) => remove(),
-        }
     }
 }
 
