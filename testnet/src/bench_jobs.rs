@@ -20,6 +20,8 @@ use crate::{TestNet, TestNetConfig, Transport};
 /// Result of `dispatch`.
 #[derive(Debug, Clone, Serialize)]
 pub struct DispatchReport {
+    /// The `gpunode` binary timed (and run by the daemons).
+    pub binary: String,
     /// Runs timed.
     pub runs: usize,
     /// Pause between runs, ms.
@@ -33,6 +35,11 @@ pub struct DispatchReport {
     pub median_ms: f64,
     /// 95th percentile, ms.
     pub p95_ms: f64,
+    /// With `--against`: the median of this binary's time minus the first binary's, run
+    /// for run (each pair timed one right after the other); `None` for the first.
+    pub paired_median_diff_ms: Option<f64>,
+    /// With `--against`: in how many of the pairs this binary was the faster.
+    pub faster_in: Option<usize>,
     /// Median of `srun true` timed the same way in the same run, when a Slurm cluster
     /// answers on this machine (`scripts/slurm-baseline.sh` starts a one-node one), ms.
     pub srun_true_median_ms: Option<f64>,
@@ -40,79 +47,135 @@ pub struct DispatchReport {
     pub ratio_to_srun: Option<f64>,
 }
 
-/// Runs `gpunode run hello.wat` through a daemon on a warm network of three
-/// `gpunode serve` processes, timing the whole CLI process each time, with `pause`
-/// between runs.
-pub fn dispatch(binary: &Path, runs: usize, pause: Duration) -> Result<Vec<DispatchReport>> {
-    let tmp = tempfile::Builder::new()
-        .prefix("bench-dispatch")
-        .tempdir()?;
-    let mut procs: Vec<ServeProcess> = Vec::new();
-    for i in 0..3 {
-        // The requester (node 0) asks more than the others, so it never picks itself
-        // even if it could.
-        let mut extra = vec!["--price".to_string(), if i == 0 { "9" } else { "1" }.into()];
-        if let Some(first) = procs.first() {
-            extra.push("--bootstrap".into());
-            extra.push(first.addr.clone());
+/// A warm network of three `gpunode serve` processes of one binary, for `dispatch`.
+struct DispatchNet {
+    binary: PathBuf,
+    procs: Vec<ServeProcess>,
+    out: PathBuf,
+    _tmp: tempfile::TempDir,
+}
+
+impl DispatchNet {
+    fn start(binary: &Path) -> Result<DispatchNet> {
+        let tmp = tempfile::Builder::new()
+            .prefix("bench-dispatch")
+            .tempdir()?;
+        let mut procs: Vec<ServeProcess> = Vec::new();
+        for i in 0..3 {
+            // The requester (node 0) asks more than the others, so it never picks itself
+            // even if it could.
+            let mut extra = vec!["--price".to_string(), if i == 0 { "9" } else { "1" }.into()];
+            if let Some(first) = procs.first() {
+                extra.push("--bootstrap".into());
+                extra.push(first.addr.clone());
+            }
+            procs.push(ServeProcess::start(
+                binary,
+                &tmp.path().join(format!("n{i}")),
+                &extra,
+            )?);
         }
-        procs.push(ServeProcess::start(
-            binary,
-            &tmp.path().join(format!("n{i}")),
-            &extra,
-        )?);
+        let net = DispatchNet {
+            binary: binary.to_path_buf(),
+            procs,
+            out: tmp.path().join("out"),
+            _tmp: tmp,
+        };
+        // Until both providers are visible and every path is warm.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while net.run(None, true).is_err() {
+            if Instant::now() > deadline {
+                bail!("no provider took the task within 30s");
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        for _ in 0..10 {
+            net.run(None, true)?;
+        }
+        Ok(net)
     }
-    let hello = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/wat/hello.wat");
-    let out = tmp.path().join("out");
-    let requester = procs[0].data_dir.clone();
-    let run = |peer: Option<&str>, quiet: bool| -> Result<f64> {
-        let mut cmd = Command::new(binary);
+
+    /// The provider that `--peer` runs name.
+    fn named_provider(&self) -> String {
+        self.procs[1].peer_id.clone()
+    }
+
+    /// One `gpunode run` through the requester's daemon, timed.
+    fn run(&self, peer: Option<&str>, quiet: bool) -> Result<f64> {
+        let hello = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/wat/hello.wat");
+        let mut cmd = Command::new(&self.binary);
         cmd.arg("--data-dir")
-            .arg(&requester)
+            .arg(&self.procs[0].data_dir)
             .arg("run")
             .arg(&hello)
             .args(quiet.then_some("--quiet"))
             .arg("--output")
-            .arg(&out);
+            .arg(&self.out);
         if let Some(p) = peer {
             cmd.args(["--peer", p]);
         }
         timed(&mut cmd)
-    };
-    // Until both providers are visible and every path is warm.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while run(None, true).is_err() {
-        if Instant::now() > deadline {
-            bail!("no provider took the task within 30s");
+    }
+}
+
+impl Drop for DispatchNet {
+    fn drop(&mut self) {
+        for p in &mut self.procs {
+            let _ = p.stop(SIGINT, Duration::from_secs(10));
         }
-        std::thread::sleep(Duration::from_millis(200));
     }
-    for _ in 0..10 {
-        run(None, true)?;
-    }
+}
+
+/// Runs `gpunode run hello.wat` through a daemon on a warm network of three
+/// `gpunode serve` processes, timing the whole CLI process each time, with `pause`
+/// between runs. With more than one binary (`--against`), each gets a network of its
+/// own, all running side by side, and each timed run is followed by the same run on the
+/// others (the order turning each time), so that the machine's drift falls on all of
+/// them alike.
+pub fn dispatch(binaries: &[PathBuf], runs: usize, pause: Duration) -> Result<Vec<DispatchReport>> {
+    let nets = binaries
+        .iter()
+        .map(|b| DispatchNet::start(b))
+        .collect::<Result<Vec<_>>>()?;
     let mut reports = Vec::new();
-    let named = Some(procs[1].peer_id.clone());
-    for (peer, quiet) in [(None, true), (named.clone(), true), (named, false)] {
-        let mut times = Vec::with_capacity(runs);
-        for _ in 0..runs {
-            std::thread::sleep(pause);
-            times.push(run(peer.as_deref(), quiet)?);
+    let modes = [(false, true), (true, true), (true, false)];
+    for (named, quiet) in modes {
+        let mut times = vec![Vec::with_capacity(runs); nets.len()];
+        for i in 0..runs {
+            for k in 0..nets.len() {
+                let n = (i + k) % nets.len();
+                let peer = named.then(|| nets[n].named_provider());
+                std::thread::sleep(pause);
+                times[n].push(nets[n].run(peer.as_deref(), quiet)?);
+            }
         }
-        times.sort_by(f64::total_cmp);
-        reports.push(DispatchReport {
-            runs,
-            pause_ms: pause.as_millis() as u64,
-            named_peer: peer.is_some(),
-            quiet,
-            median_ms: percentile(&times, 0.5),
-            p95_ms: percentile(&times, 0.95),
-            srun_true_median_ms: None,
-            ratio_to_srun: None,
-        });
+        for (n, t) in times.iter().enumerate() {
+            let (paired, faster) = if n == 0 {
+                (None, None)
+            } else {
+                let mut diffs: Vec<f64> = t.iter().zip(&times[0]).map(|(a, b)| a - b).collect();
+                let faster = diffs.iter().filter(|d| **d < 0.0).count();
+                diffs.sort_by(f64::total_cmp);
+                (Some(percentile(&diffs, 0.5)), Some(faster))
+            };
+            let mut sorted = t.clone();
+            sorted.sort_by(f64::total_cmp);
+            reports.push(DispatchReport {
+                binary: nets[n].binary.display().to_string(),
+                runs,
+                pause_ms: pause.as_millis() as u64,
+                named_peer: named,
+                quiet,
+                median_ms: percentile(&sorted, 0.5),
+                p95_ms: percentile(&sorted, 0.95),
+                paired_median_diff_ms: paired,
+                faster_in: faster,
+                srun_true_median_ms: None,
+                ratio_to_srun: None,
+            });
+        }
     }
-    for p in &mut procs {
-        let _ = p.stop(SIGINT, Duration::from_secs(10));
-    }
+    drop(nets);
     if let Some(srun) = srun_true(runs) {
         let median = percentile(&srun, 0.5);
         for r in &mut reports {

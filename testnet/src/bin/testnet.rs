@@ -145,6 +145,11 @@ enum Bench {
         /// another leaves seconds).
         #[arg(long, default_value_t = 0)]
         pause_ms: u64,
+        /// Another `gpunode` binary to time side by side with this one (its own three
+        /// daemons; runs alternate between the two): for comparing two builds when the
+        /// machine's speed drifts from one round to the next.
+        #[arg(long)]
+        against: Option<PathBuf>,
     },
     /// Members behind NAT in a lab of network namespaces (root): time to the first job
     /// between two of them, hole-punch success per NAT type, direct vs relayed transfer.
@@ -379,9 +384,20 @@ fn bench(which: Bench) -> Result<()> {
                 per_identity.max(1),
             ))?)
         }
-        Bench::Dispatch { runs, pause_ms } => {
+        Bench::Dispatch {
+            runs,
+            pause_ms,
+            against,
+        } => {
             let pause = Duration::from_millis(pause_ms);
-            for report in testnet::bench_jobs::dispatch(&gpunode_binary()?, runs, pause)? {
+            let mut binaries = vec![gpunode_binary()?];
+            if let Some(other) = against {
+                if !other.is_file() {
+                    bail!("--against {}: no such file", other.display());
+                }
+                binaries.push(other);
+            }
+            for report in testnet::bench_jobs::dispatch(&binaries, runs, pause)? {
                 print(&report)?;
             }
             Ok(())
