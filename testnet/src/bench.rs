@@ -60,6 +60,13 @@ pub struct DiscoveryReport {
     /// Seconds from start until no node had a publication round running or due: the
     /// network is formed, and the lookups are measured from then on.
     pub formed_s: f64,
+    /// CPU seconds (user and system) the whole process had used by then: what forming
+    /// the network cost, less sensitive to the machine's other load than `formed_s`.
+    pub cpu_s_at_formed: f64,
+    /// Cores the process kept busy over the [`CONNECTED_IDLE_WINDOW`] after the lookups, every connection
+    /// still open and nothing asked: the load of a formed network's keep-alive traffic,
+    /// which lookups share the cores with.
+    pub connected_idle_cores: f64,
     /// Once formed: of the 20 nodes closest to its model's key, how many hold a
     /// provider's record, for the provider with the fewest (a lookup that stops before
     /// reaching them can miss it).
@@ -69,6 +76,10 @@ pub struct DiscoveryReport {
     /// Providers whose record fewer than half of those 20 nodes hold.
     pub closest_holding_under_half: usize,
 }
+
+/// How long the discovery bench reads its process's CPU time for
+/// [`DiscoveryReport::connected_idle_cores`].
+const CONNECTED_IDLE_WINDOW: Duration = Duration::from_secs(10);
 
 /// Mean number of peers each node of `net` has a connection open to.
 async fn mean_connections(net: &TestNet) -> Result<f64> {
@@ -147,6 +158,7 @@ pub async fn discovery(n: usize, lookups: usize) -> Result<DiscoveryReport> {
     let connections_per_node = mean_connections(&net).await?;
 
     let formed_s = wait_until_quiet(&net, started).await?;
+    let cpu_s_at_formed = cpu_seconds(None);
     eprintln!("no publication round running or due after {formed_s:.1} s");
     let placed = placements(&net).await?;
     eprintln!("of the {CLOSEST} nodes closest to its model's key, how many hold each provider's record: {placed:?}");
@@ -178,6 +190,10 @@ pub async fn discovery(n: usize, lookups: usize) -> Result<DiscoveryReport> {
     }
     times.sort_by(f64::total_cmp);
     requests.sort();
+    let cpu_before = cpu_seconds(None);
+    tokio::time::sleep(CONNECTED_IDLE_WINDOW).await;
+    let connected_idle_cores =
+        (cpu_seconds(None) - cpu_before) / CONNECTED_IDLE_WINDOW.as_secs_f64();
     // Idle: nothing asked for one idle-connection timeout, then one look of the
     // process's heap trimmer (`gpunode_node::heap`), and a margin.
     let idle = gpunode_node::NodeConfig::default().idle_connection_timeout;
@@ -198,6 +214,8 @@ pub async fn discovery(n: usize, lookups: usize) -> Result<DiscoveryReport> {
         nodes_started_s,
         startup_s,
         formed_s,
+        cpu_s_at_formed,
+        connected_idle_cores,
         closest_holding_min: placed.first().copied().unwrap_or(0),
         closest_holding_median: placed.get(placed.len() / 2).copied().unwrap_or(0),
         closest_holding_under_half: placed.iter().filter(|c| **c < CLOSEST / 2).count(),
