@@ -63,9 +63,9 @@ pub struct DiscoveryReport {
     /// CPU seconds (user and system) the whole process had used by then: what forming
     /// the network cost, less sensitive to the machine's other load than `formed_s`.
     pub cpu_s_at_formed: f64,
-    /// Cores the process kept busy over the [`CONNECTED_IDLE_WINDOW`] after the lookups, every connection
-    /// still open and nothing asked: the load of a formed network's keep-alive traffic,
-    /// which lookups share the cores with.
+    /// Cores the process kept busy over the [`CONNECTED_IDLE_WINDOW`] after the lookups,
+    /// every connection still open and nothing asked: the load of a formed network's
+    /// keep-alive traffic, which lookups share the cores with.
     pub connected_idle_cores: f64,
     /// Once formed: of the 20 nodes closest to its model's key, how many hold a
     /// provider's record, for the provider with the fewest (a lookup that stops before
@@ -194,10 +194,13 @@ pub async fn discovery(n: usize, lookups: usize) -> Result<DiscoveryReport> {
     tokio::time::sleep(CONNECTED_IDLE_WINDOW).await;
     let connected_idle_cores =
         (cpu_seconds(None) - cpu_before) / CONNECTED_IDLE_WINDOW.as_secs_f64();
-    // Idle: nothing asked for one idle-connection timeout, then one look of the
-    // process's heap trimmer (`gpunode_node::heap`), and a margin.
+    // Idle: nothing asked since the last lookup for one idle-connection timeout (the
+    // window above counts), then one look of the process's heap trimmer
+    // (`gpunode_node::heap`), and a margin.
     let idle = gpunode_node::NodeConfig::default().idle_connection_timeout;
-    tokio::time::sleep(idle + gpunode_node::heap::CHECK_EVERY + Duration::from_secs(5)).await;
+    let rest = (idle + gpunode_node::heap::CHECK_EVERY + Duration::from_secs(5))
+        .saturating_sub(CONNECTED_IDLE_WINDOW);
+    tokio::time::sleep(rest).await;
     let idle_rss_per_node = (rss_bytes().saturating_sub(rss_before)) as f64 / n as f64;
     let idle_connections_per_node = mean_connections(&net).await?;
     let report = DiscoveryReport {
