@@ -250,22 +250,81 @@ impl OfferFilter {
         self.min_gpu_mem_bytes.is_none_or(|min| memory_bytes >= min)
     }
 
-    /// The capability key a requester looks up providers under for this filter.
-    pub fn capability_key(&self) -> Vec<u8> {
+    /// The capability keys a requester looks up providers under for this filter: one
+    /// key, or every shard of a shared key (see [`SHARED_KEY_BITS`]).
+    pub fn lookup_keys(&self) -> Vec<Vec<u8>> {
         if let Some(model) = &self.gpu_model {
-            capability_key(&format!("model/{}", model_family(model)))
+            vec![model_key(model)]
         } else if self.gpus.unwrap_or(0) > 0 || self.min_gpu_mem_bytes.is_some() {
-            capability_key("gpu")
+            shard_keys(SHARED_GPU)
         } else if let Some(backend) = self.backend.as_ref().filter(|b| !is_everyones(b)) {
-            capability_key(&format!("backend/{}", backend.to_ascii_lowercase()))
+            vec![backend_key(backend)]
         } else {
-            capability_key("any")
+            shard_keys(SHARED_ANY)
         }
     }
 }
 
 fn capability_key(name: &str) -> Vec<u8> {
     format!("/gpunode/v1/cap/{name}").into_bytes()
+}
+
+/// The key a GPU model's providers register under: its family's (`A100`, `RTX4090`).
+pub fn model_key(model: &str) -> Vec<u8> {
+    family_key(&model_family(model))
+}
+
+fn family_key(family: &str) -> Vec<u8> {
+    capability_key(&format!("model/{family}"))
+}
+
+fn backend_key(backend: &str) -> Vec<u8> {
+    capability_key(&format!("backend/{}", backend.to_ascii_lowercase()))
+}
+
+/// The keys nearly every provider registers under: `any` (every provider) and `gpu`
+/// (has a GPU). Under one key each, every provider would walk to the same twenty peers
+/// and open a connection to each: at 200 nodes that was a quarter of the connections
+/// and CPU of a forming network (`docs/benchmarks.md`, "The keys every provider shares,
+/// sharded"). So each is split into `2^SHARED_KEY_BITS` shards, and a provider registers
+/// under the shard whose Kademlia key starts with the same bits as its own: the peers
+/// nearest that shard key are its own neighbours, found by its bootstrap walk, already
+/// connected, and holding its advert. A query for such a key looks up every shard (in
+/// parallel): more requests than one key in a network of a few dozen nodes. Three bits put about 20 nodes, Kademlia's k, in a shard at 160 nodes; in
+/// much larger networks a shard's holders are again mostly peers a provider is not yet
+/// connected to, as with one key, but eight groups of twenty share the load.
+/// Every node must use the same value: changing it changes the DHT layout.
+pub const SHARED_KEY_BITS: u32 = 3;
+const SHARED_ANY: &str = "any";
+const SHARED_GPU: &str = "gpu";
+
+/// The first [`SHARED_KEY_BITS`] bits of the Kademlia key of `bytes` (a record key, or a
+/// peer id's bytes): Kademlia places both at the SHA-256 of their bytes.
+fn kademlia_prefix(bytes: &[u8]) -> u32 {
+    use sha2::Digest;
+    let hash = sha2::Sha256::digest(bytes);
+    u32::from(hash[0]) >> (8 - SHARED_KEY_BITS)
+}
+
+/// The shard of a shared key that `peer` registers under.
+pub fn shard_of(peer: &PeerId) -> u32 {
+    kademlia_prefix(&peer.to_bytes())
+}
+
+/// Shard `shard` of shared key `name`: `/gpunode/v1/cap/<name>/<shard>.<n>` with the
+/// smallest `n` whose Kademlia key starts with the shard's bits (about eight tries).
+fn shard_key(name: &str, shard: u32) -> Vec<u8> {
+    (0u32..)
+        .map(|n| capability_key(&format!("{name}/{shard}.{n}")))
+        .find(|key| kademlia_prefix(key) == shard)
+        .expect("some n puts the key in the shard")
+}
+
+/// Every shard of shared key `name`, in shard order.
+fn shard_keys(name: &str) -> Vec<Vec<u8>> {
+    (0..1 << SHARED_KEY_BITS)
+        .map(|shard| shard_key(name, shard))
+        .collect()
 }
 
 /// The backend every node runs unless its config leaves it out: a key for it would name
@@ -294,24 +353,21 @@ pub fn peer_of_advert_key(key: &[u8]) -> Option<PeerId> {
 
 /// Every capability key an advert's publisher registers as provider under.
 pub fn capability_keys(advert: &Advert) -> Vec<Vec<u8>> {
-    let mut keys = vec![capability_key("any")];
+    let shard = shard_of(&advert.publisher);
+    let mut keys = vec![shard_key(SHARED_ANY, shard)];
     if !advert.gpus.is_empty() {
-        keys.push(capability_key("gpu"));
+        keys.push(shard_key(SHARED_GPU, shard));
     }
     let mut families: Vec<String> = advert.gpus.iter().map(|g| model_family(&g.model)).collect();
     families.sort();
     families.dedup();
-    keys.extend(
-        families
-            .iter()
-            .map(|f| capability_key(&format!("model/{f}"))),
-    );
+    keys.extend(families.iter().map(|f| family_key(f)));
     keys.extend(
         advert
             .backends
             .iter()
             .filter(|b| !is_everyones(b))
-            .map(|b| capability_key(&format!("backend/{}", b.to_ascii_lowercase()))),
+            .map(|b| backend_key(b)),
     );
     keys
 }
@@ -509,10 +565,22 @@ mod tests {
         assert!(!a.matches(&f(None, Some(40 << 30), Some(2))));
         assert!(a.matches(&f(None, None, Some(2))));
         let keys = capability_keys(&a);
-        assert!(keys.contains(&f(Some("A100"), None, None).capability_key()));
-        assert!(keys.contains(&f(Some("NVIDIA T4"), None, None).capability_key()));
-        assert!(keys.contains(&f(None, None, Some(1)).capability_key()));
-        assert!(keys.contains(&OfferFilter::default().capability_key()));
+        // A query finds the advert when one of the keys it looks up is one the advert's
+        // publisher registered under: the model's key, or its shard of a shared one.
+        let found = |filter: &OfferFilter, keys: &[Vec<u8>]| {
+            filter
+                .lookup_keys()
+                .iter()
+                .filter(|k| keys.contains(k))
+                .count()
+        };
+        assert_eq!(f(Some("A100"), None, None).lookup_keys().len(), 1);
+        assert_eq!(found(&f(Some("A100"), None, None), &keys), 1);
+        assert_eq!(found(&f(Some("NVIDIA T4"), None, None), &keys), 1);
+        assert_eq!(found(&f(None, None, Some(1)), &keys), 1);
+        assert_eq!(found(&f(None, Some(40 << 30), None), &keys), 1);
+        assert_eq!(found(&OfferFilter::default(), &keys), 1);
+        assert_eq!(found(&f(Some("H100"), None, None), &keys), 0);
         a.withdrawn = true;
         assert!(!a.matches(&OfferFilter::default()));
         a.withdrawn = false;
@@ -522,7 +590,7 @@ mod tests {
             backend: Some("WASM".into()),
             ..OfferFilter::default()
         };
-        assert_eq!(wasm.capability_key(), b"/gpunode/v1/cap/any".to_vec());
+        assert_eq!(wasm.lookup_keys(), OfferFilter::default().lookup_keys());
         a.backends = vec!["wasm".into(), "container".into()];
         let keys = capability_keys(&a);
         assert!(!keys
@@ -533,10 +601,10 @@ mod tests {
             ..OfferFilter::default()
         };
         assert_eq!(
-            container.capability_key(),
-            b"/gpunode/v1/cap/backend/container".to_vec()
+            container.lookup_keys(),
+            vec![b"/gpunode/v1/cap/backend/container".to_vec()]
         );
-        assert!(keys.contains(&container.capability_key()));
+        assert_eq!(found(&container, &keys), 1);
         assert!(a.matches(&wasm) && a.matches(&container));
         a.backends = vec!["container".into()];
         assert!(
@@ -549,7 +617,53 @@ mod tests {
             peer_of_advert_key(&advert_record_key(&a.publisher)),
             Some(a.publisher)
         );
-        assert_eq!(peer_of_advert_key(b"/gpunode/v1/cap/any"), None);
+        assert_eq!(peer_of_advert_key(b"/gpunode/v1/cap/model/A100"), None);
         assert_eq!(peer_of_advert_key(b""), None);
+    }
+
+    /// A provider registers under the shard of `any` and `gpu` whose Kademlia key starts
+    /// like its own, so the peers nearest it are its own neighbours; a query looks up
+    /// every shard, so it finds every provider whatever its shard.
+    #[test]
+    fn shared_keys_are_sharded_next_to_their_providers() {
+        use sha2::Digest;
+        let shards = 1usize << SHARED_KEY_BITS;
+        for name in [SHARED_ANY, SHARED_GPU] {
+            let keys = shard_keys(name);
+            assert_eq!(keys.len(), shards);
+            for (shard, key) in keys.iter().enumerate() {
+                assert_eq!(kademlia_prefix(key) as usize, shard);
+                assert_eq!(
+                    key,
+                    &shard_key(name, shard as u32),
+                    "the same on every node"
+                );
+                let first = sha2::Sha256::digest(key)[0];
+                assert_eq!(usize::from(first >> (8 - SHARED_KEY_BITS)), shard);
+            }
+            let mut distinct = keys.clone();
+            distinct.sort();
+            distinct.dedup();
+            assert_eq!(distinct.len(), shards);
+        }
+        assert_ne!(shard_keys(SHARED_ANY), shard_keys(SHARED_GPU));
+
+        let mut seen = std::collections::HashSet::new();
+        for _ in 0..200 {
+            let k = Keypair::generate_ed25519();
+            let a = sample(&k, 1, NOW);
+            let shard = shard_of(&a.publisher);
+            seen.insert(shard);
+            let first = sha2::Sha256::digest(a.publisher.to_bytes())[0];
+            assert_eq!(u32::from(first >> (8 - SHARED_KEY_BITS)), shard);
+            let keys = capability_keys(&a);
+            for shared in [SHARED_ANY, SHARED_GPU] {
+                let own = shard_key(shared, shard);
+                assert!(keys.contains(&own), "{shared} shard {shard}");
+                let others = shard_keys(shared).into_iter().filter(|k| *k != own);
+                assert!(others.into_iter().all(|k| !keys.contains(&k)));
+            }
+        }
+        assert_eq!(seen.len(), shards, "providers spread over every shard");
     }
 }

@@ -44,6 +44,16 @@ pub struct DiscoveryReport {
     pub median_dht_requests: u32,
     /// Fraction of lookups that found every provider of the model.
     pub complete_fraction: f64,
+    /// Lookups of a shared key measured after them: `gpu` (a GPU, any model) and `any`
+    /// (every provider) in turn, each of which looks up every shard of its key.
+    pub shared_key_lookups: usize,
+    /// Their median, ms.
+    pub shared_key_median_ms: f64,
+    /// Their 95th percentile, ms.
+    pub shared_key_p95_ms: f64,
+    /// The fewest offers one of them returned: every provider has a GPU, so each should
+    /// return as many as a query asks for (`MAX_PROVIDERS_PER_FIND`, 64, at most).
+    pub shared_key_offers_min: usize,
     /// Resident memory added per node once every advert is visible, MiB.
     pub rss_per_node_mib: f64,
     /// Open connections per node (mean) once every advert is visible.
@@ -80,6 +90,42 @@ pub struct DiscoveryReport {
 /// How long the discovery bench reads its process's CPU time for
 /// [`DiscoveryReport::connected_idle_cores`].
 const CONNECTED_IDLE_WINDOW: Duration = Duration::from_secs(10);
+
+/// Shared-key lookups timed by the discovery bench.
+struct SharedKeyLookups {
+    count: usize,
+    median_ms: f64,
+    p95_ms: f64,
+    offers_min: usize,
+}
+
+/// Times `count` queries of the shared keys, `gpu` and `any` in turn.
+async fn shared_key_lookups(client: &TestNode, count: usize) -> Result<SharedKeyLookups> {
+    let any_gpu = OfferFilter {
+        gpus: Some(1),
+        ..OfferFilter::default()
+    };
+    let mut times = Vec::with_capacity(count);
+    let mut offers_min = usize::MAX;
+    for j in 0..count {
+        let filter = if j % 2 == 0 {
+            any_gpu.clone()
+        } else {
+            OfferFilter::default()
+        };
+        let t = Instant::now();
+        let search = client.handle.search_offers(filter).await?;
+        times.push(t.elapsed().as_secs_f64() * 1000.0);
+        offers_min = offers_min.min(search.offers.len());
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(SharedKeyLookups {
+        count,
+        median_ms: percentile(&times, 0.5),
+        p95_ms: percentile(&times, 0.95),
+        offers_min: if count == 0 { 0 } else { offers_min },
+    })
+}
 
 /// Mean number of peers each node of `net` has a connection open to.
 async fn mean_connections(net: &TestNet) -> Result<f64> {
@@ -190,6 +236,7 @@ pub async fn discovery(n: usize, lookups: usize) -> Result<DiscoveryReport> {
     }
     times.sort_by(f64::total_cmp);
     requests.sort();
+    let shared = shared_key_lookups(&client, (lookups / 10).max(10)).await?;
     let cpu_before = cpu_seconds(None);
     tokio::time::sleep(CONNECTED_IDLE_WINDOW).await;
     let connected_idle_cores =
@@ -219,6 +266,10 @@ pub async fn discovery(n: usize, lookups: usize) -> Result<DiscoveryReport> {
         formed_s,
         cpu_s_at_formed,
         connected_idle_cores,
+        shared_key_lookups: shared.count,
+        shared_key_median_ms: shared.median_ms,
+        shared_key_p95_ms: shared.p95_ms,
+        shared_key_offers_min: shared.offers_min,
         closest_holding_min: placed.first().copied().unwrap_or(0),
         closest_holding_median: placed.get(placed.len() / 2).copied().unwrap_or(0),
         closest_holding_under_half: placed.iter().filter(|c| **c < CLOSEST / 2).count(),
@@ -241,7 +292,7 @@ impl Placement {
     /// The placement of model `m`'s key now.
     async fn of(net: &TestNet, m: usize) -> Result<Placement> {
         use libp2p::kad::{KBucketKey, RecordKey};
-        let key_bytes = model_filter(m).capability_key();
+        let key_bytes = gpunode_protocol::advert::model_key(BENCH_MODELS[m]);
         let key = KBucketKey::new(RecordKey::new(&key_bytes));
         let mut by_distance: Vec<usize> = (0..net.nodes.len()).collect();
         by_distance

@@ -1,11 +1,13 @@
-//! Offer queries: look up the providers of a capability key and, as each provider is
+//! Offer queries: look up the providers of a capability key (of each shard of a shared
+//! key, in parallel) and, as each provider is
 //! named, ask it for its advert directly (in parallel, over the connection the lookup
 //! opened or a new one). A provider that cannot be reached now is left out (a lease
 //! with it would fail too); one that does not serve its advert (an older build) is
 //! looked up in the DHT instead. The provider lookup stops once [`SETTLED_ANSWERS`]
 //! responses named providers, the last [`QUIET_ANSWERS`] named nobody new (unless one
 //! was full, see [`FULL_ANSWER`]) and the [`CLOSEST_ANSWERED`] peers nearest the key
-//! have answered, or once the responses pause; the query answers
+//! have answered, or once the responses pause, or once the query has named
+//! [`MAX_PROVIDERS_PER_FIND`] providers; the query answers
 //! when every advert is in (or a short grace after the first, when some providers stay
 //! silent) with the adverts that match.
 //! A peer our last dial to failed is not asked again at the same addresses: its advert
@@ -78,17 +80,67 @@ fn may_stop(nearest_answered: bool, since_agreed: Duration) -> bool {
     nearest_answered || since_agreed >= ANSWER_GAP
 }
 
+/// One provider lookup of an offer query: a query for a shared key makes one per shard
+/// (`gpunode_protocol::advert::SHARED_KEY_BITS`), each stopping on its own answers.
+struct ProviderWalk {
+    query: QueryId,
+    answers: Agreement,
+    /// When the answers first agreed (the lookup may stop once the nearest answered).
+    agreed_at: Option<Instant>,
+    /// When it stops if no further response comes.
+    settles_at: Option<Instant>,
+}
+
+impl ProviderWalk {
+    fn new(query: QueryId) -> ProviderWalk {
+        ProviderWalk {
+            query,
+            answers: Agreement::default(),
+            agreed_at: None,
+            settles_at: None,
+        }
+    }
+}
+
+/// What one provider lookup's responses said so far.
+#[derive(Debug, Default)]
+struct Agreement {
+    /// Responses that named providers, and how many in a row named nobody new.
+    answers: u32,
+    quiet_answers: u32,
+    /// A response named [`FULL_ANSWER`] providers: others may exist.
+    answer_was_full: bool,
+}
+
+impl Agreement {
+    /// Takes note of a response that named `named` providers, `new` of them not named
+    /// before to the query; whether the answers now agree.
+    fn answered(&mut self, named: usize, new: bool) -> bool {
+        self.answer_was_full |= named >= FULL_ANSWER;
+        if named > 0 {
+            self.answers += 1;
+            if new {
+                self.quiet_answers = 0;
+            } else {
+                self.quiet_answers += 1;
+            }
+        }
+        !self.answer_was_full
+            && self.answers >= SETTLED_ANSWERS
+            && self.quiet_answers >= QUIET_ANSWERS
+    }
+}
+
 /// An offer query in progress.
 pub(super) struct PendingFind {
     filter: OfferFilter,
     reply: oneshot::Sender<OfferSearch>,
     providers: HashSet<PeerId>,
     dht_requests: u32,
-    /// Responses that named providers, and how many in a row named nobody new.
+    /// Responses that named providers, over all its walks.
     answers: u32,
-    quiet_answers: u32,
-    /// A response named [`FULL_ANSWER`] providers: others may exist.
-    answer_was_full: bool,
+    /// Its provider lookups still running; none once they all ended.
+    walks: Vec<ProviderWalk>,
     providers_done: bool,
     /// Peers named by the caller, not by a provider lookup: one that cannot be reached
     /// directly may have no address we know but its advert's, so ask the DHT.
@@ -97,11 +149,6 @@ pub(super) struct PendingFind {
     /// at the addresses it lists (a provider restarted on a new port).
     readdressing: HashSet<PeerId>,
     retried: HashSet<PeerId>,
-    /// The provider lookup, and when it stops if no further response comes.
-    provider_query: Option<QueryId>,
-    pub(super) lookup_settles_at: Option<Instant>,
-    /// When the answers first agreed (the lookup may stop once the nearest answered).
-    agreed_at: Option<Instant>,
     outstanding: usize,
     found: HashMap<PeerId, Advert>,
     started: Instant,
@@ -123,6 +170,11 @@ enum Named {
 }
 
 impl PendingFind {
+    /// When the first of its provider lookups stops if no further response comes.
+    pub(super) fn lookup_settles_at(&self) -> Option<Instant> {
+        self.walks.iter().filter_map(|w| w.settles_at).min()
+    }
+
     /// Takes note of `peer`, named as a provider (`local` is this node).
     fn name(&mut self, peer: PeerId, local: &PeerId) -> Named {
         if peer == *local || self.providers.contains(&peer) {
@@ -152,15 +204,11 @@ impl PendingFind {
             providers: HashSet::new(),
             dht_requests: 0,
             answers: 0,
-            quiet_answers: 0,
-            answer_was_full: false,
+            walks: Vec::new(),
             providers_done: false,
             named_peers: false,
             readdressing: HashSet::new(),
             retried: HashSet::new(),
-            provider_query: None,
-            lookup_settles_at: None,
-            agreed_at: None,
             outstanding: 0,
             found: HashMap::new(),
             started: Instant::now(),
@@ -241,11 +289,16 @@ impl EventLoop {
     fn look_up_providers(&mut self, filter: OfferFilter, reply: oneshot::Sender<OfferSearch>) {
         let id = self.next_find;
         self.next_find += 1;
-        let key = RecordKey::new(&filter.capability_key());
-        let query = self.swarm.behaviour_mut().kad.get_providers(key);
-        self.provider_queries.insert(query, id);
         let mut find = PendingFind::new(filter, reply);
-        find.provider_query = Some(query);
+        for key in find.filter.lookup_keys() {
+            let query = self
+                .swarm
+                .behaviour_mut()
+                .kad
+                .get_providers(RecordKey::new(&key));
+            self.provider_queries.insert(query, id);
+            find.walks.push(ProviderWalk::new(query));
+        }
         self.finds.insert(id, find);
     }
 
@@ -255,10 +308,11 @@ impl EventLoop {
         let quiet: Vec<QueryId> = self
             .finds
             .values_mut()
-            .filter(|f| f.lookup_settles_at.is_some_and(|t| t <= now))
-            .filter_map(|f| {
-                f.lookup_settles_at = None;
-                f.provider_query
+            .flat_map(|f| f.walks.iter_mut())
+            .filter(|w| w.settles_at.is_some_and(|t| t <= now))
+            .map(|w| {
+                w.settles_at = None;
+                w.query
             })
             .collect();
         for query in quiet {
@@ -353,36 +407,36 @@ impl EventLoop {
             return;
         };
         if let Ok(kad::GetProvidersOk::FoundProviders { providers, .. }) = result {
-            let named = !providers.is_empty();
-            let full = providers.len() >= FULL_ANSWER;
+            let named = providers.len();
             let before = self.finds.get(&id).map_or(0, |f| f.providers.len());
             for peer in providers {
                 self.fetch_advert(id, peer);
             }
             if let Some(find) = self.finds.get_mut(&id) {
-                if !find.providers.is_empty() {
-                    find.lookup_settles_at = Some(Instant::now() + ANSWER_GAP);
-                }
-                find.answer_was_full |= full;
-                if named {
-                    find.answers += 1;
-                    if find.providers.len() == before {
-                        find.quiet_answers += 1;
-                    } else {
-                        find.quiet_answers = 0;
-                    }
-                }
-                let settled = !find.answer_was_full
-                    && find.answers >= SETTLED_ANSWERS
-                    && find.quiet_answers >= QUIET_ANSWERS;
-                if settled && !last {
-                    let agreed_at = *find.agreed_at.get_or_insert_with(Instant::now);
-                    if let Some(mut q) = self.swarm.behaviour_mut().kad.query_mut(&query) {
-                        if may_stop(q.closest_answered(CLOSEST_ANSWERED), agreed_at.elapsed()) {
+                if find.providers.len() >= MAX_PROVIDERS_PER_FIND {
+                    // Nobody more would be asked: the query's walks have done their job
+                    // (a shared key's eight can name hundreds between them).
+                    let kad = &mut self.swarm.behaviour_mut().kad;
+                    for walk in &find.walks {
+                        if let Some(mut q) = kad.query_mut(&walk.query) {
                             q.finish();
                         }
                     }
+                } else if let Some(walk) = find.walks.iter_mut().find(|w| w.query == query) {
+                    if !find.providers.is_empty() {
+                        walk.settles_at = Some(Instant::now() + ANSWER_GAP);
+                    }
+                    let settled = walk.answers.answered(named, find.providers.len() > before);
+                    if settled && !last {
+                        let agreed_at = *walk.agreed_at.get_or_insert_with(Instant::now);
+                        if let Some(mut q) = self.swarm.behaviour_mut().kad.query_mut(&query) {
+                            if may_stop(q.closest_answered(CLOSEST_ANSWERED), agreed_at.elapsed()) {
+                                q.finish();
+                            }
+                        }
+                    }
                 }
+                find.answers += u32::from(named > 0);
             }
         }
         if !last {
@@ -391,9 +445,11 @@ impl EventLoop {
         self.provider_queries.remove(&query);
         if let Some(find) = self.finds.get_mut(&id) {
             find.dht_requests += requests;
-            find.providers_done = true;
-            find.lookup_settles_at = None;
-            find.lookup_took = Some(find.started.elapsed());
+            find.walks.retain(|w| w.query != query);
+            if find.walks.is_empty() {
+                find.providers_done = true;
+                find.lookup_took = Some(find.started.elapsed());
+            }
         }
         self.maybe_complete(id);
     }
@@ -633,6 +689,59 @@ mod tests {
         assert!(!may_stop(false, Duration::ZERO));
         assert!(!may_stop(false, ANSWER_GAP - Duration::from_millis(1)));
         assert!(may_stop(false, ANSWER_GAP));
+    }
+
+    /// Each walk of a query settles on its own answers: ten that named providers, the
+    /// last five naming nobody new, and none full (a full one may have left some out).
+    #[test]
+    fn a_walk_agrees_after_enough_quiet_answers_unless_one_was_full() {
+        let mut walk = Agreement::default();
+        for _ in 0..5 {
+            assert!(!walk.answered(3, true));
+        }
+        assert!(
+            !walk.answered(0, false),
+            "a response naming nobody is no answer"
+        );
+        for _ in 0..4 {
+            assert!(!walk.answered(3, false));
+        }
+        assert!(walk.answered(3, false));
+        assert!(!walk.answered(1, true), "a new provider restarts the count");
+        let mut full = Agreement::default();
+        assert!(!full.answered(FULL_ANSWER, true));
+        for _ in 0..20 {
+            assert!(!full.answered(3, false));
+        }
+    }
+
+    /// Kademlia (as libp2p hashes keys) places each provider nearer its own shard of a
+    /// shared key than any other shard, so its records go to its own neighbours, and a
+    /// query for the key looks up every shard.
+    #[test]
+    fn a_provider_is_nearest_its_own_shard_of_a_shared_key() {
+        use gpunode_protocol::advert::shard_of;
+        use kad::KBucketKey;
+        for filter in [
+            OfferFilter::default(),
+            OfferFilter {
+                gpus: Some(1),
+                ..OfferFilter::default()
+            },
+        ] {
+            let shards = filter.lookup_keys();
+            assert_eq!(shards.len(), 8);
+            for _ in 0..100 {
+                let peer = PeerId::random();
+                let own = KBucketKey::from(peer);
+                let distance = |key: &Vec<u8>| own.distance(&KBucketKey::new(RecordKey::new(key)));
+                let mine = &shards[shard_of(&peer) as usize];
+                assert!(shards
+                    .iter()
+                    .filter(|k| *k != mine)
+                    .all(|k| distance(mine) < distance(k)));
+            }
+        }
     }
 
     #[test]

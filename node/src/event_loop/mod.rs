@@ -288,7 +288,7 @@ impl EventLoop {
         }
         for f in self.finds.values() {
             t = t.min(f.deadline);
-            if let Some(s) = f.lookup_settles_at {
+            if let Some(s) = f.lookup_settles_at() {
                 t = t.min(s);
             }
         }

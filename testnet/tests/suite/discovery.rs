@@ -68,7 +68,7 @@ async fn queries_return_exactly_the_matching_providers() {
     // Their records are held under the A100 key, and only theirs, by nodes other than
     // themselves too (`providers_held`, what the discovery bench reads to say where a
     // missed provider's records were; a provider also holds its own record).
-    let key = filter(Some("A100"), None, None).capability_key();
+    let key = gpunode_protocol::advert::model_key("A100");
     let deadline = tokio::time::Instant::now() + t;
     loop {
         let mut held = BTreeSet::new();

@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use gpunode_node::adverts::fetch::{AdvertAnswer, AdvertCodec, AdvertQuery};
-use gpunode_protocol::advert::{advert_record_key, Advert, AdvertGpu, OfferFilter, ADVERT_VERSION};
+use gpunode_protocol::advert::{
+    advert_record_key, model_key, Advert, AdvertGpu, OfferFilter, ADVERT_VERSION,
+};
 use gpunode_protocol::gpu::GpuState;
 use gpunode_protocol::time::now_ms;
 use libp2p::kad::{self, store::MemoryStore, Quorum, Record, RecordKey};
@@ -284,7 +286,9 @@ async fn lies_told_in_answer_to_an_advert_fetch_are_refused_and_counted() {
     swarm
         .behaviour_mut()
         .kad
-        .start_providing(RecordKey::new(&a100.capability_key()))
+        .start_providing(RecordKey::new(&model_key(
+            a100.gpu_model.as_deref().unwrap_or_default(),
+        )))
         .expect("provide");
     let lies = [forged_advert(honest, &key), b"not an advert".to_vec(), real];
     let told = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
