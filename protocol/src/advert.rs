@@ -290,9 +290,10 @@ fn backend_key(backend: &str) -> Vec<u8> {
 /// under the shard whose Kademlia key starts with the same bits as its own: the peers
 /// nearest that shard key are its own neighbours, found by its bootstrap walk, already
 /// connected, and holding its advert. A query for such a key looks up every shard (in
-/// parallel): more requests than one key in a network of a few dozen nodes. Three bits put about 20 nodes, Kademlia's k, in a shard at 160 nodes; in
-/// much larger networks a shard's holders are again mostly peers a provider is not yet
-/// connected to, as with one key, but eight groups of twenty share the load.
+/// parallel): more requests than one key in a network of a few dozen nodes. Three bits
+/// put about 20 nodes, Kademlia's k, in a shard at 160 nodes; in much larger networks a
+/// shard's holders are again mostly peers a provider is not yet connected to, as with
+/// one key, but eight groups of twenty share the load.
 /// Every node must use the same value: changing it changes the DHT layout.
 pub const SHARED_KEY_BITS: u32 = 3;
 const SHARED_ANY: &str = "any";
