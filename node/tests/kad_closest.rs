@@ -95,10 +95,19 @@ fn a_query_knows_when_the_peers_nearest_its_key_have_answered() {
     let mut nearest = peers.clone();
     nearest.sort_by_key(|p| target.distance(&KBucketKey::from(*p)));
     let query = kad.get_providers(key);
-    let answered = |kad: &mut kad::Behaviour<MemoryStore>, n: usize| {
-        kad.query_mut(&query).expect("running").closest_answered(n)
+    let answered_given = |kad: &mut kad::Behaviour<MemoryStore>, n: usize, elsewhere: &[PeerId]| {
+        let elsewhere: std::collections::HashSet<PeerId> = elsewhere.iter().copied().collect();
+        kad.query_mut(&query)
+            .expect("running")
+            .closest_answered(n, &elsewhere)
     };
+    let answered = |kad: &mut kad::Behaviour<MemoryStore>, n: usize| answered_given(kad, n, &[]);
     assert!(!answered(&mut kad, 1), "nobody asked yet");
+    // Peers that answered another query for this one's key too count as answered;
+    // others (here the farthest) do not stand in for the nearest.
+    assert!(answered_given(&mut kad, 2, &nearest[..2]));
+    assert!(!answered_given(&mut kad, 3, &nearest[..2]));
+    assert!(!answered_given(&mut kad, 2, &nearest[10..]));
 
     // The query asks the nearest peers first, three at a time: it dials them.
     let mut cx = Context::from_waker(futures::task::noop_waker_ref());
@@ -128,4 +137,5 @@ fn a_query_knows_when_the_peers_nearest_its_key_have_answered() {
         !answered(&mut kad, 4),
         "the fourth nearest was not asked yet"
     );
+    assert!(answered_given(&mut kad, 4, &nearest[3..4]));
 }

@@ -328,6 +328,14 @@ fn shard_keys(name: &str) -> Vec<Vec<u8>> {
         .collect()
 }
 
+/// The shards of each shared key (`any`, `gpu`), each group in shard order: a DHT node
+/// asked for the providers of one shard answers with those it holds of the others too,
+/// so that in a network of a few dozen nodes, where every node holds most shards, a
+/// query hears of every provider from its first answers.
+pub fn shard_groups() -> Vec<Vec<Vec<u8>>> {
+    [SHARED_ANY, SHARED_GPU].map(shard_keys).to_vec()
+}
+
 /// The backend every node runs unless its config leaves it out: a key for it would name
 /// nearly every provider, as `any` does, and cost each of them one more walk to the same
 /// twenty peers when it publishes. Its providers are looked up under `any` and filtered

@@ -54,15 +54,18 @@ pub struct DiscoveryReport {
     /// The fewest offers one of them returned: every provider has a GPU, so each should
     /// return as many as a query asks for (`MAX_PROVIDERS_PER_FIND`, 64, at most).
     pub shared_key_offers_min: usize,
+    /// Their median Kademlia requests (provider lookups of every shard, advert fetches).
+    pub shared_key_median_dht_requests: u32,
     /// Resident memory added per node once every advert is visible, MiB.
     pub rss_per_node_mib: f64,
     /// Open connections per node (mean) once every advert is visible.
     pub connections_per_node: f64,
     /// Resident memory added per node after the lookups and then one idle-connection
-    /// timeout with nothing asked, MiB: the figure for an idle node.
-    pub idle_rss_per_node_mib: f64,
+    /// timeout with nothing asked, MiB: the figure for an idle node (`None` when the
+    /// idle phase was skipped).
+    pub idle_rss_per_node_mib: Option<f64>,
     /// Open connections per node (mean) at that point.
-    pub idle_connections_per_node: f64,
+    pub idle_connections_per_node: Option<f64>,
     /// Seconds it took to start every node (each one has a peer in its routing table).
     pub nodes_started_s: f64,
     /// Seconds from start until every model's providers were all visible to the client.
@@ -76,7 +79,7 @@ pub struct DiscoveryReport {
     /// Cores the process kept busy over the [`CONNECTED_IDLE_WINDOW`] after the lookups,
     /// every connection still open and nothing asked: the load of a formed network's
     /// keep-alive traffic, which lookups share the cores with.
-    pub connected_idle_cores: f64,
+    pub connected_idle_cores: Option<f64>,
     /// Once formed: of the 20 nodes closest to its model's key, how many hold a
     /// provider's record, for the provider with the fewest (a lookup that stops before
     /// reaching them can miss it).
@@ -97,6 +100,7 @@ struct SharedKeyLookups {
     median_ms: f64,
     p95_ms: f64,
     offers_min: usize,
+    median_dht_requests: u32,
 }
 
 /// Times `count` queries of the shared keys, `gpu` and `any` in turn.
@@ -106,6 +110,7 @@ async fn shared_key_lookups(client: &TestNode, count: usize) -> Result<SharedKey
         ..OfferFilter::default()
     };
     let mut times = Vec::with_capacity(count);
+    let mut requests = Vec::with_capacity(count);
     let mut offers_min = usize::MAX;
     for j in 0..count {
         let filter = if j % 2 == 0 {
@@ -116,14 +121,17 @@ async fn shared_key_lookups(client: &TestNode, count: usize) -> Result<SharedKey
         let t = Instant::now();
         let search = client.handle.search_offers(filter).await?;
         times.push(t.elapsed().as_secs_f64() * 1000.0);
+        requests.push(search.dht_requests);
         offers_min = offers_min.min(search.offers.len());
     }
     times.sort_by(f64::total_cmp);
+    requests.sort();
     Ok(SharedKeyLookups {
         count,
         median_ms: percentile(&times, 0.5),
         p95_ms: percentile(&times, 0.95),
         offers_min: if count == 0 { 0 } else { offers_min },
+        median_dht_requests: requests.get(count / 2).copied().unwrap_or(0),
     })
 }
 
@@ -166,7 +174,7 @@ pub fn percentile(sorted: &[f64], p: f64) -> f64 {
 
 /// Starts `n` nodes (QUIC), waits until every model's providers are all visible to a
 /// client, then times `lookups` lookups of one model's providers each.
-pub async fn discovery(n: usize, lookups: usize) -> Result<DiscoveryReport> {
+pub async fn discovery(n: usize, lookups: usize, idle_phase: bool) -> Result<DiscoveryReport> {
     let specs: Vec<Option<String>> = (0..n)
         .map(|i| {
             Some(format!(
@@ -237,19 +245,24 @@ pub async fn discovery(n: usize, lookups: usize) -> Result<DiscoveryReport> {
     times.sort_by(f64::total_cmp);
     requests.sort();
     let shared = shared_key_lookups(&client, (lookups / 10).max(10)).await?;
-    let cpu_before = cpu_seconds(None);
-    tokio::time::sleep(CONNECTED_IDLE_WINDOW).await;
-    let connected_idle_cores =
-        (cpu_seconds(None) - cpu_before) / CONNECTED_IDLE_WINDOW.as_secs_f64();
-    // Idle: nothing asked since the last lookup for one idle-connection timeout (the
-    // window above counts), then one look of the process's heap trimmer
-    // (`gpunode_node::heap`), and a margin.
-    let idle = gpunode_node::NodeConfig::default().idle_connection_timeout;
-    let rest = (idle + gpunode_node::heap::CHECK_EVERY + Duration::from_secs(5))
-        .saturating_sub(CONNECTED_IDLE_WINDOW);
-    tokio::time::sleep(rest).await;
-    let idle_rss_per_node = (rss_bytes().saturating_sub(rss_before)) as f64 / n as f64;
-    let idle_connections_per_node = mean_connections(&net).await?;
+    let mut connected_idle_cores = None;
+    let (mut idle_rss_per_node_mib, mut idle_connections_per_node) = (None, None);
+    if idle_phase {
+        let cpu_before = cpu_seconds(None);
+        tokio::time::sleep(CONNECTED_IDLE_WINDOW).await;
+        connected_idle_cores =
+            Some((cpu_seconds(None) - cpu_before) / CONNECTED_IDLE_WINDOW.as_secs_f64());
+        // Idle: nothing asked since the last lookup for one idle-connection timeout (the
+        // window above counts), then one look of the process's heap trimmer
+        // (`gpunode_node::heap`), and a margin.
+        let idle = gpunode_node::NodeConfig::default().idle_connection_timeout;
+        let rest = (idle + gpunode_node::heap::CHECK_EVERY + Duration::from_secs(5))
+            .saturating_sub(CONNECTED_IDLE_WINDOW);
+        tokio::time::sleep(rest).await;
+        let idle_rss = rss_bytes().saturating_sub(rss_before) as f64 / n as f64;
+        idle_rss_per_node_mib = Some(idle_rss / (1024.0 * 1024.0));
+        idle_connections_per_node = Some(mean_connections(&net).await?);
+    }
     let report = DiscoveryReport {
         nodes: n,
         lookups,
@@ -259,7 +272,7 @@ pub async fn discovery(n: usize, lookups: usize) -> Result<DiscoveryReport> {
         complete_fraction: complete as f64 / lookups as f64,
         rss_per_node_mib: rss_per_node / (1024.0 * 1024.0),
         connections_per_node,
-        idle_rss_per_node_mib: idle_rss_per_node / (1024.0 * 1024.0),
+        idle_rss_per_node_mib,
         idle_connections_per_node,
         nodes_started_s,
         startup_s,
@@ -270,6 +283,7 @@ pub async fn discovery(n: usize, lookups: usize) -> Result<DiscoveryReport> {
         shared_key_median_ms: shared.median_ms,
         shared_key_p95_ms: shared.p95_ms,
         shared_key_offers_min: shared.offers_min,
+        shared_key_median_dht_requests: shared.median_dht_requests,
         closest_holding_min: placed.first().copied().unwrap_or(0),
         closest_holding_median: placed.get(placed.len() / 2).copied().unwrap_or(0),
         closest_holding_under_half: placed.iter().filter(|c| **c < CLOSEST / 2).count(),

@@ -1,4 +1,5 @@
-//! A model with more providers than one DHT answer carries (29 real nodes on 127.0.0.1).
+//! A model with more providers than libp2p's Kademlia answer carries (29 real nodes on
+//! 127.0.0.1).
 //! A test binary of its own: beside the suite's tests, which run in parallel, a network
 //! this size on two cores starved them (a flood test's first stream timed out) and its
 //! own late publications.
@@ -9,8 +10,9 @@ use std::time::Duration;
 use gpunode_protocol::advert::OfferFilter;
 use testnet::TestNet;
 
-/// A Kademlia node answers with at most 20 of a key's providers; a model with more
-/// providers than that is still found whole, by one query.
+/// libp2p's Kademlia answers with at most 20 of a key's providers (gpunode's with up to
+/// 64, `network::PROVIDER_ANSWER_LIMIT`); a model with more providers than 20 is found
+/// whole, by one query.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_model_with_more_providers_than_one_answer_carries_is_found_whole() {
     const PROVIDERS: usize = 28;

@@ -1,5 +1,6 @@
 //! Offer queries: look up the providers of a capability key (of each shard of a shared
-//! key, in parallel) and, as each provider is
+//! key, in parallel, each answer counted for every shard it names) and, as each
+//! provider is
 //! named, ask it for its advert directly (in parallel, over the connection the lookup
 //! opened or a new one). A provider that cannot be reached now is left out (a lease
 //! with it would fail too); one that does not serve its advert (an older build) is
@@ -17,7 +18,8 @@ use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use gpunode_protocol::advert::{
-    advert_record_key, peer_of_advert_key, verify_advert, Advert, AdvertError, OfferFilter,
+    advert_record_key, peer_of_advert_key, shard_of, verify_advert, Advert, AdvertError,
+    OfferFilter,
 };
 use gpunode_protocol::time::now_ms;
 use libp2p::kad::{self, QueryId, RecordKey};
@@ -53,11 +55,25 @@ const QUIET_ANSWERS: u32 = 5;
 /// (`network.rs`): a walk stopped at these peers' answers has no use for more.
 pub(crate) const CLOSEST_ANSWERED: usize = 8;
 /// A response naming this many providers may have left some out: a Kademlia node
-/// answers with at most k = 20 of the providers it holds for a key (a random 20, see
-/// `crate::dht_store`). Once one does, the lookup does not stop early on agreement but
-/// asks every node near the key, each naming its own random 20, so that a model with
-/// more than 20 providers is found whole (up to [`MAX_PROVIDERS_PER_FIND`]).
-const FULL_ANSWER: usize = 20;
+/// answers with at most this many of the providers it holds for a key (a random choice,
+/// see `crate::dht_store`). Once one does, the lookup does not stop early on agreement
+/// but asks every node near the key, each naming its own random choice.
+const FULL_ANSWER: usize = crate::network::PROVIDER_ANSWER_LIMIT;
+/// Responses of its own a walk waits for before the nearest peers' answers may stop it:
+/// its first comes from the peer nearest its key that the node knows, and names the
+/// peers nearer still, which the walk must then hear from (directly or through another
+/// walk).
+const OWN_ANSWERS: u32 = 1;
+/// Requests each walk of a shared key's query keeps in flight (Kademlia's α is 3, and
+/// a stalled walk's burst [`CLOSEST_ANSWERED`]): every answer names the providers of
+/// every shard the answering node holds, so eight walks asking three to eight peers at
+/// once mostly asked the same peers. One at a time, a walk's next peer has often
+/// answered another walk already and is skipped: at 24 nodes a query sent 31 to 34
+/// requests instead of 74, at 50 nodes 50 to 54 instead of 114, at 200 nodes 9 or 10
+/// instead of 26 (`docs/benchmarks.md`, "Answers that cover every shard").
+const SHARD_WALK_PARALLELISM: std::num::NonZeroUsize = std::num::NonZeroUsize::MIN;
+/// Most peers a query remembers as having answered for all its keys at once.
+const ANSWERED_PEERS_MAX: usize = 1024;
 /// How long the provider lookup may go without a new response, once one came, before it
 /// stops: the peers it still waits for are slow or gone (a dead peer's QUIC handshake
 /// takes seconds to time out).
@@ -81,21 +97,29 @@ fn may_stop(nearest_answered: bool, since_agreed: Duration) -> bool {
 }
 
 /// One provider lookup of an offer query: a query for a shared key makes one per shard
-/// (`gpunode_protocol::advert::SHARED_KEY_BITS`), each stopping on its own answers.
+/// (`gpunode_protocol::advert::SHARED_KEY_BITS`). A node answers a lookup of one shard
+/// with the providers it holds of every shard (`crate::dht_store`), so each answer is
+/// counted for every shard whose providers it names ([`PendingFind::agreements`]), and
+/// a walk may stop once its shard's answers agree and the peers nearest its key have
+/// answered it or, with every shard's providers, another walk.
 struct ProviderWalk {
     query: QueryId,
-    answers: Agreement,
-    /// When the answers first agreed (the lookup may stop once the nearest answered).
+    /// Its shard (its place in [`OfferFilter::lookup_keys`]); 0 for a single key.
+    shard: usize,
+    /// Responses it had of its own.
+    own_answers: u32,
+    /// When its shard's answers first agreed (it may stop once the nearest answered).
     agreed_at: Option<Instant>,
-    /// When it stops if no further response comes.
+    /// When it stops if no further response comes to any walk of its query.
     settles_at: Option<Instant>,
 }
 
 impl ProviderWalk {
-    fn new(query: QueryId) -> ProviderWalk {
+    fn new(query: QueryId, shard: usize) -> ProviderWalk {
         ProviderWalk {
             query,
-            answers: Agreement::default(),
+            shard,
+            own_answers: 0,
             agreed_at: None,
             settles_at: None,
         }
@@ -113,10 +137,10 @@ struct Agreement {
 }
 
 impl Agreement {
-    /// Takes note of a response that named `named` providers, `new` of them not named
-    /// before to the query; whether the answers now agree.
-    fn answered(&mut self, named: usize, new: bool) -> bool {
-        self.answer_was_full |= named >= FULL_ANSWER;
+    /// Takes note of a response that named `named` providers of this key (or shard),
+    /// `new` of them not named before to the query, in an answer that was `full`.
+    fn answered(&mut self, named: usize, new: bool, full: bool) {
+        self.answer_was_full |= full;
         if named > 0 {
             self.answers += 1;
             if new {
@@ -125,6 +149,10 @@ impl Agreement {
                 self.quiet_answers += 1;
             }
         }
+    }
+
+    /// Whether the answers agree: enough named providers, the last few nobody new.
+    fn agrees(&self) -> bool {
         !self.answer_was_full
             && self.answers >= SETTLED_ANSWERS
             && self.quiet_answers >= QUIET_ANSWERS
@@ -141,6 +169,11 @@ pub(super) struct PendingFind {
     answers: u32,
     /// Its provider lookups still running; none once they all ended.
     walks: Vec<ProviderWalk>,
+    /// What the answers said of each key looked up (each shard of a shared key).
+    agreements: Vec<Agreement>,
+    /// Peers whose answer named every provider they hold of every key looked up (at
+    /// most [`ANSWERED_PEERS_MAX`]): a walk counts them among its nearest as answered.
+    answered_peers: HashSet<PeerId>,
     providers_done: bool,
     /// Peers named by the caller, not by a provider lookup: one that cannot be reached
     /// directly may have no address we know but its advert's, so ask the DHT.
@@ -187,6 +220,25 @@ impl PendingFind {
         }
     }
 
+    /// How many of `providers` each key of the query's lookup names, and how many of
+    /// those it had not named before: a single key's all, a shared key's by shard.
+    /// This node itself (`local`) is not counted.
+    fn tally(&self, providers: &HashSet<PeerId>, local: &PeerId) -> Vec<(usize, usize)> {
+        let mut tally = vec![(0, 0); self.agreements.len()];
+        for peer in providers.iter().filter(|p| *p != local) {
+            let key = if tally.len() > 1 {
+                shard_of(peer) as usize
+            } else {
+                0
+            };
+            if let Some((named, new)) = tally.get_mut(key) {
+                *named += 1;
+                *new += usize::from(!self.providers.contains(peer));
+            }
+        }
+        tally
+    }
+
     /// Whether `peer` was already given its second try; marks it as being given one.
     fn second_try_used(&mut self, peer: PeerId) -> bool {
         if self.retried.contains(&peer) {
@@ -205,6 +257,8 @@ impl PendingFind {
             dht_requests: 0,
             answers: 0,
             walks: Vec::new(),
+            agreements: Vec::new(),
+            answered_peers: HashSet::new(),
             providers_done: false,
             named_peers: false,
             readdressing: HashSet::new(),
@@ -272,6 +326,37 @@ impl ParkedFinds {
     }
 }
 
+/// Stops each walk of `find` whose key's answers agree, once the peers nearest its key
+/// have answered (it or, for all keys at once, another walk; and it has had an answer
+/// of its own, [`OWN_ANSWERS`]) or [`ANSWER_GAP`] after they first agreed. First, each
+/// walk takes the peers that answered for all keys as answered, and does not ask them.
+/// `ending` is the walk whose last response this was, if it was.
+fn stop_agreed_walks(
+    find: &mut PendingFind,
+    kad: &mut kad::Behaviour<crate::dht_store::DhtStore>,
+    ending: (QueryId, bool),
+) {
+    for walk in &mut find.walks {
+        let Some(mut q) = kad.query_mut(&walk.query) else {
+            continue;
+        };
+        q.mark_answered(&find.answered_peers);
+        let agrees = find
+            .agreements
+            .get(walk.shard)
+            .is_some_and(Agreement::agrees);
+        if !agrees || ending == (walk.query, true) {
+            continue;
+        }
+        let agreed_at = *walk.agreed_at.get_or_insert_with(Instant::now);
+        let nearest = walk.own_answers >= OWN_ANSWERS
+            && q.closest_answered(CLOSEST_ANSWERED, &find.answered_peers);
+        if may_stop(nearest, agreed_at.elapsed()) {
+            q.finish();
+        }
+    }
+}
+
 impl EventLoop {
     /// Starts an offer query, or parks it (at most [`BOOTSTRAP_WAIT`]) while the node is
     /// new and knows no peer yet, so a `run` right after start does not find nothing.
@@ -290,14 +375,25 @@ impl EventLoop {
         let id = self.next_find;
         self.next_find += 1;
         let mut find = PendingFind::new(filter, reply);
-        for key in find.filter.lookup_keys() {
+        let keys = find.filter.lookup_keys();
+        let shared = keys.len() > 1;
+        for (shard, key) in keys.into_iter().enumerate() {
+            find.agreements.push(Agreement::default());
             let query = self
                 .swarm
                 .behaviour_mut()
                 .kad
                 .get_providers(RecordKey::new(&key));
             self.provider_queries.insert(query, id);
-            find.walks.push(ProviderWalk::new(query));
+            if shared {
+                // Each answer covers every shard (see `ProviderWalk`): one request at a
+                // time each, so that a walk's next peer is often one another walk has
+                // heard from already, and is skipped.
+                if let Some(mut q) = self.swarm.behaviour_mut().kad.query_mut(&query) {
+                    q.set_parallelism(SHARD_WALK_PARALLELISM, Some(SHARD_WALK_PARALLELISM));
+                }
+            }
+            find.walks.push(ProviderWalk::new(query, shard));
         }
         self.finds.insert(id, find);
     }
@@ -406,37 +502,53 @@ impl EventLoop {
         let Some(&id) = self.provider_queries.get(&query) else {
             return;
         };
-        if let Ok(kad::GetProvidersOk::FoundProviders { providers, .. }) = result {
+        if let Ok(kad::GetProvidersOk::FoundProviders {
+            providers, source, ..
+        }) = result
+        {
             let named = providers.len();
-            let before = self.finds.get(&id).map_or(0, |f| f.providers.len());
+            let tally = self
+                .finds
+                .get(&id)
+                .map(|f| f.tally(&providers, &self.local_peer));
             for peer in providers {
                 self.fetch_advert(id, peer);
             }
-            if let Some(find) = self.finds.get_mut(&id) {
+            if let (Some(find), Some(tally)) = (self.finds.get_mut(&id), tally) {
+                find.answers += u32::from(named > 0);
                 if find.providers.len() >= MAX_PROVIDERS_PER_FIND {
                     // Nobody more would be asked: the query's walks have done their job
                     // (a shared key's eight can name hundreds between them).
                     let kad = &mut self.swarm.behaviour_mut().kad;
-                    for walk in &find.walks {
+                    for walk in &mut find.walks {
                         if let Some(mut q) = kad.query_mut(&walk.query) {
                             q.finish();
                         }
                     }
-                } else if let Some(walk) = find.walks.iter_mut().find(|w| w.query == query) {
-                    if !find.providers.is_empty() {
-                        walk.settles_at = Some(Instant::now() + ANSWER_GAP);
+                } else {
+                    let full = named >= FULL_ANSWER;
+                    for (agreement, (named, new)) in find.agreements.iter_mut().zip(tally) {
+                        agreement.answered(named, new > 0, full);
                     }
-                    let settled = walk.answers.answered(named, find.providers.len() > before);
-                    if settled && !last {
-                        let agreed_at = *walk.agreed_at.get_or_insert_with(Instant::now);
-                        if let Some(mut q) = self.swarm.behaviour_mut().kad.query_mut(&query) {
-                            if may_stop(q.closest_answered(CLOSEST_ANSWERED), agreed_at.elapsed()) {
-                                q.finish();
-                            }
+                    if let Some(peer) = source.filter(|_| !full) {
+                        if find.answered_peers.len() < ANSWERED_PEERS_MAX {
+                            find.answered_peers.insert(peer);
                         }
                     }
+                    if let Some(walk) = find.walks.iter_mut().find(|w| w.query == query) {
+                        walk.own_answers += u32::from(source.is_some());
+                    }
+                    if !find.providers.is_empty() {
+                        // A walk waiting on a dead or slow peer stops with the others:
+                        // their answers cover its key too.
+                        let settles_at = Instant::now() + ANSWER_GAP;
+                        for walk in &mut find.walks {
+                            walk.settles_at = Some(settles_at);
+                        }
+                    }
+                    let kad = &mut self.swarm.behaviour_mut().kad;
+                    stop_agreed_walks(find, kad, (query, last));
                 }
-                find.answers += u32::from(named > 0);
             }
         }
         if !last {
@@ -691,28 +803,62 @@ mod tests {
         assert!(may_stop(false, ANSWER_GAP));
     }
 
-    /// Each walk of a query settles on its own answers: ten that named providers, the
-    /// last five naming nobody new, and none full (a full one may have left some out).
+    /// A key's answers agree after ten that named providers, the last five naming
+    /// nobody new, and none full (a full one may have left some out).
     #[test]
-    fn a_walk_agrees_after_enough_quiet_answers_unless_one_was_full() {
-        let mut walk = Agreement::default();
+    fn a_key_agrees_after_enough_quiet_answers_unless_one_was_full() {
+        let mut key = Agreement::default();
         for _ in 0..5 {
-            assert!(!walk.answered(3, true));
+            key.answered(3, true, false);
+            assert!(!key.agrees());
         }
-        assert!(
-            !walk.answered(0, false),
-            "a response naming nobody is no answer"
-        );
+        key.answered(0, false, false);
+        assert!(!key.agrees(), "a response naming nobody is no answer");
         for _ in 0..4 {
-            assert!(!walk.answered(3, false));
+            key.answered(3, false, false);
+            assert!(!key.agrees());
         }
-        assert!(walk.answered(3, false));
-        assert!(!walk.answered(1, true), "a new provider restarts the count");
+        key.answered(3, false, false);
+        assert!(key.agrees());
+        key.answered(1, true, false);
+        assert!(!key.agrees(), "a new provider restarts the count");
         let mut full = Agreement::default();
-        assert!(!full.answered(FULL_ANSWER, true));
+        full.answered(FULL_ANSWER, true, true);
         for _ in 0..20 {
-            assert!(!full.answered(3, false));
+            full.answered(3, false, false);
+            assert!(!full.agrees());
         }
+        let mut shard = Agreement::default();
+        shard.answered(3, true, true);
+        assert!(
+            shard.answer_was_full,
+            "an answer full over all shards may have left this one's out too"
+        );
+    }
+
+    /// A shared key's answer counts for each shard whose providers it names, new or
+    /// not; a single key's for that key; this node itself never.
+    #[test]
+    fn an_answer_is_tallied_by_the_shard_of_each_provider_it_names() {
+        let local = PeerId::random();
+        let peers: Vec<PeerId> = (0..40).map(|_| PeerId::random()).collect();
+        let (tx, _rx) = oneshot::channel();
+        let mut shared = PendingFind::new(OfferFilter::default(), tx);
+        shared.agreements = (0..8).map(|_| Agreement::default()).collect();
+        shared.providers.extend(peers[..10].iter().copied());
+        let answer: HashSet<PeerId> = peers.iter().copied().chain([local]).collect();
+        let tally = shared.tally(&answer, &local);
+        assert_eq!(tally.len(), 8);
+        for (shard, (named, new)) in tally.iter().enumerate() {
+            let of_shard =
+                |ps: &[PeerId]| ps.iter().filter(|p| shard_of(p) as usize == shard).count();
+            assert_eq!(*named, of_shard(&peers));
+            assert_eq!(*new, of_shard(&peers[10..]));
+        }
+        let (tx, _rx) = oneshot::channel();
+        let mut single = PendingFind::new(OfferFilter::default(), tx);
+        single.agreements = vec![Agreement::default()];
+        assert_eq!(single.tally(&answer, &local), vec![(40, 40)]);
     }
 
     /// Kademlia (as libp2p hashes keys) places each provider nearer its own shard of a

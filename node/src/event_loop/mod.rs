@@ -393,10 +393,9 @@ impl EventLoop {
                 let _ = reply.send(self.connections.contains_key(&peer));
             }
             Command::ProvidersHeld { key, reply } => {
-                use libp2p::kad::store::RecordStore;
                 let key = libp2p::kad::RecordKey::new(&key);
                 let store = self.swarm.behaviour_mut().kad.store_mut();
-                let _ = reply.send(store.providers(&key).iter().map(|r| r.provider).collect());
+                let _ = reply.send(store.held(&key).iter().map(|r| r.provider).collect());
             }
             Command::PathTo { peer, reply } => {
                 let _ = reply.send(self.connections.get(&peer).map(Link::path));

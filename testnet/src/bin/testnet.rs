@@ -87,6 +87,11 @@ enum Bench {
         /// Lookups per network.
         #[arg(long, default_value_t = 200)]
         lookups: usize,
+        /// Skip the idle phase (some two minutes with nothing asked) and the idle
+        /// memory, connection and CPU figures it gives: for comparing lookups and
+        /// formation between builds quickly.
+        #[arg(long)]
+        no_idle: bool,
     },
     /// Lease negotiation round trip and leases per second of one provider.
     Lease {
@@ -348,7 +353,11 @@ fn print(report: &impl serde::Serialize) -> Result<()> {
 /// every benchmark's entry point reads in one place).
 fn bench(which: Bench) -> Result<()> {
     match which {
-        Bench::Discovery { nodes, lookups } => discovery(&nodes, lookups),
+        Bench::Discovery {
+            nodes,
+            lookups,
+            no_idle,
+        } => discovery(&nodes, lookups, !no_idle),
         Bench::Lease {
             round_trips,
             requesters,
@@ -474,10 +483,10 @@ fn bench(which: Bench) -> Result<()> {
 }
 
 /// `bench discovery`: one network of each size.
-fn discovery(nodes: &[usize], lookups: usize) -> Result<()> {
+fn discovery(nodes: &[usize], lookups: usize, idle_phase: bool) -> Result<()> {
     let rt = runtime()?;
     for n in nodes {
-        print(&rt.block_on(testnet::bench::discovery(*n, lookups))?)?;
+        print(&rt.block_on(testnet::bench::discovery(*n, lookups, idle_phase))?)?;
     }
     Ok(())
 }

@@ -270,6 +270,18 @@ impl Config {
         self
     }
 
+    /// gpunode: sets the most providers one answer to `GET_PROVIDERS` names.
+    ///
+    /// Upstream names at most the replication factor (k = 20), so a querier cannot tell
+    /// an answer that named every provider the node holds from one that left some out
+    /// once a key has more than 20. A store that answers for several keys at once (see
+    /// gpunode's `dht_store`) needs room for all of them. Mind the packet size
+    /// ([`Config::set_max_packet_size`]): each provider travels with its addresses.
+    pub fn set_provider_answer_limit(&mut self, limit: NonZeroUsize) -> &mut Self {
+        self.query_config.provider_answer_limit = Some(limit);
+        self
+    }
+
     /// Sets the allowed level of parallelism for iterative queries.
     ///
     /// The `α` parameter in the Kademlia paper. The maximum number of peers
@@ -1077,7 +1089,7 @@ where
             .into_iter()
             .filter(|p| {
                 if p.is_expired(Instant::now()) {
-                    self.store.remove_provider(&key, &p.provider);
+                    self.store.remove_provider(&p.key, &p.provider);
                     false
                 } else {
                     true
@@ -1112,6 +1124,7 @@ where
                     result: QueryResult::GetProviders(Ok(GetProvidersOk::FoundProviders {
                         key,
                         providers,
+                        source: None,
                     })),
                     step,
                     stats,
@@ -1258,7 +1271,8 @@ where
             .into_iter()
             .filter_map(|p| {
                 if p.is_expired(Instant::now()) {
-                    self.store.remove_provider(key, &p.provider);
+                    // gpunode: by the record's own key (a store may answer for several).
+                    self.store.remove_provider(&p.key, &p.provider);
                     return None;
                 }
 
@@ -1305,7 +1319,13 @@ where
                     None
                 }
             })
-            .take(self.queries.config().replication_factor.get())
+            .take(
+                self.queries
+                    .config()
+                    .provider_answer_limit
+                    .unwrap_or(self.queries.config().replication_factor)
+                    .get(),
+            )
             .collect()
     }
 
@@ -2401,6 +2421,7 @@ where
                                     GetProvidersOk::FoundProviders {
                                         key: key.clone(),
                                         providers,
+                                        source: Some(source),
                                     },
                                 )),
                                 step: *step,
@@ -3101,6 +3122,8 @@ pub enum GetProvidersOk {
         key: record::Key,
         /// The new set of providers discovered.
         providers: HashSet<PeerId>,
+        /// gpunode: the peer whose answer this is (`None`: the local store's).
+        source: Option<PeerId>,
     },
     FinishedWithNoAdditionalRecord {
         closest_peers: Vec<PeerId>,
@@ -3393,10 +3416,25 @@ impl QueryMut<'_> {
         self.query.finish()
     }
 
+    /// gpunode: sets how many peers the query waits for at once (Kademlia's α), and
+    /// once its walk has stalled (see [`Config::set_provider_lookup_burst`]): a caller
+    /// running several queries whose answers cover each other's may want fewer each.
+    pub fn set_parallelism(&mut self, parallelism: NonZeroUsize, stalled: Option<NonZeroUsize>) {
+        self.query.set_parallelism(parallelism, stalled)
+    }
+
+    /// gpunode: takes the peers in `answered` that the query has not asked yet as having
+    /// answered, so that it does not ask them: the caller heard from them on another
+    /// query whose answer covers this one's too.
+    pub fn mark_answered(&mut self, answered: &HashSet<PeerId>) {
+        self.query.mark_answered(answered)
+    }
+
     /// gpunode: whether the `n` peers closest to the query's target that it knows have
-    /// all answered (or failed, or timed out).
-    pub fn closest_answered(&self, n: usize) -> bool {
-        self.query.closest_answered(n)
+    /// all answered (or failed, or timed out), counting those in `answered_elsewhere`
+    /// (peers the caller heard from on another query whose answer covers this one's).
+    pub fn closest_answered(&self, n: usize, answered_elsewhere: &HashSet<PeerId>) -> bool {
+        self.query.closest_answered(n, answered_elsewhere)
     }
 }
 

@@ -274,6 +274,10 @@ pub(crate) struct QueryConfig {
     ///
     /// See [`crate::behaviour::Config::set_provider_lookup_burst`] for details.
     pub(crate) provider_lookup_burst: Option<NonZeroUsize>,
+    /// gpunode: most providers one answer names (the replication factor when unset).
+    ///
+    /// See [`crate::behaviour::Config::set_provider_answer_limit`] for details.
+    pub(crate) provider_answer_limit: Option<NonZeroUsize>,
 }
 
 impl Default for QueryConfig {
@@ -284,6 +288,7 @@ impl Default for QueryConfig {
             parallelism: ALPHA_VALUE,
             disjoint_query_paths: false,
             provider_lookup_burst: None,
+            provider_answer_limit: None,
         }
     }
 }
@@ -367,10 +372,30 @@ impl Query {
 
     /// gpunode: see `ClosestPeersIter::closest_answered`; a query of fixed peers (or on
     /// disjoint paths, which gpunode does not use) counts as answered.
-    pub(crate) fn closest_answered(&self, n: usize) -> bool {
+    pub(crate) fn closest_answered(
+        &self,
+        n: usize,
+        answered_elsewhere: &std::collections::HashSet<PeerId>,
+    ) -> bool {
         match &self.peers.peer_iter {
-            QueryPeerIter::Closest(iter) => iter.closest_answered(n),
+            QueryPeerIter::Closest(iter) => iter.closest_answered(n, answered_elsewhere),
             QueryPeerIter::ClosestDisjoint(_) | QueryPeerIter::Fixed(_) => true,
+        }
+    }
+
+    /// gpunode: see `ClosestPeersIter::set_parallelism` (a query of fixed peers or on
+    /// disjoint paths is left as it is).
+    pub(crate) fn set_parallelism(&mut self, parallelism: NonZeroUsize, stalled: Option<NonZeroUsize>) {
+        if let QueryPeerIter::Closest(iter) = &mut self.peers.peer_iter {
+            iter.set_parallelism(parallelism, stalled);
+        }
+    }
+
+    /// gpunode: see `ClosestPeersIter::mark_answered` (a query of fixed peers or on
+    /// disjoint paths is left as it is).
+    pub(crate) fn mark_answered(&mut self, answered: &std::collections::HashSet<PeerId>) {
+        if let QueryPeerIter::Closest(iter) = &mut self.peers.peer_iter {
+            iter.mark_answered(answered);
         }
     }
 

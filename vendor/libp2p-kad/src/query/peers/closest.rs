@@ -392,12 +392,37 @@ impl ClosestPeersIter {
     }
 
     /// gpunode: whether the `n` peers closest to the target that the iterator knows
-    /// have all answered, failed or timed out (all it knows, when fewer).
-    pub fn closest_answered(&self, n: usize) -> bool {
-        self.closest_peers
-            .values()
-            .take(n)
-            .all(|p| !matches!(p.state, PeerState::NotContacted | PeerState::Waiting(_)))
+    /// have all answered, failed or timed out (all it knows, when fewer); a peer in
+    /// `answered_elsewhere` counts as answered whatever this iterator did with it.
+    pub fn closest_answered(
+        &self,
+        n: usize,
+        answered_elsewhere: &std::collections::HashSet<PeerId>,
+    ) -> bool {
+        self.closest_peers.values().take(n).all(|p| {
+            !matches!(p.state, PeerState::NotContacted | PeerState::Waiting(_))
+                || answered_elsewhere.contains(p.key.preimage())
+        })
+    }
+
+    /// gpunode: sets how many peers it waits for at once, and once stalled (see
+    /// [`ClosestPeersIterConfig::stalled_parallelism`]).
+    pub fn set_parallelism(&mut self, parallelism: NonZeroUsize, stalled: Option<NonZeroUsize>) {
+        self.config.parallelism = parallelism;
+        self.config.stalled_parallelism = stalled;
+    }
+
+    /// gpunode: takes the peers in `answered` that it has not contacted yet as having
+    /// answered (the caller heard from them on another query whose answer covers this
+    /// one's), so that it does not ask them.
+    pub fn mark_answered(&mut self, answered: &std::collections::HashSet<PeerId>) {
+        for peer in self.closest_peers.values_mut() {
+            if matches!(peer.state, PeerState::NotContacted)
+                && answered.contains(peer.key.preimage())
+            {
+                peer.state = PeerState::Succeeded;
+            }
+        }
     }
 
     /// Checks whether the iterator has finished.
