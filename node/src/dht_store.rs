@@ -27,6 +27,8 @@ use libp2p::kad::{ProviderRecord, Record, RecordKey};
 use libp2p::PeerId;
 use rand::seq::SliceRandom;
 
+use crate::network::PROVIDER_ANSWER_LIMIT;
+
 /// Most bytes of addresses kept with a provider record (a provider names its own in
 /// `ADD_PROVIDER`, and a hostile one could name kilobytes): an answer names up to
 /// `network::PROVIDER_ANSWER_LIMIT` providers, each with its addresses, within
@@ -95,18 +97,25 @@ impl RecordStore for DhtStore {
     }
 
     /// Every provider held for `key`, in a random order, and for a shard of a shared key
-    /// then every provider held for its other shards, in a random order: Kademlia
-    /// answers with the first few (`network::PROVIDER_ANSWER_LIMIT`).
+    /// then those held for its other shards, in a random order (all of them, unless
+    /// there are more than an answer names): Kademlia answers with the first
+    /// [`PROVIDER_ANSWER_LIMIT`].
     fn providers(&self, key: &RecordKey) -> Vec<ProviderRecord> {
         let mut rng = rand::thread_rng();
         let mut providers = self.inner.providers(key);
         providers.shuffle(&mut rng);
         if let Some(group) = self.shard_groups.get(key) {
-            let mut others: Vec<ProviderRecord> = group
-                .iter()
-                .filter(|k| *k != key)
-                .flat_map(|k| self.inner.providers(k))
-                .collect();
+            // The other shards in a random order, until an answer's worth is in: each
+            // is copied whole from the store underneath (up to 256 records a key).
+            let mut siblings: Vec<&RecordKey> = group.iter().filter(|k| *k != key).collect();
+            siblings.shuffle(&mut rng);
+            let mut others = Vec::new();
+            for sibling in siblings {
+                if providers.len() + others.len() >= PROVIDER_ANSWER_LIMIT {
+                    break;
+                }
+                others.extend(self.inner.providers(sibling));
+            }
             others.shuffle(&mut rng);
             providers.extend(others);
         }

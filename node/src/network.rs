@@ -31,13 +31,13 @@ pub const KAD_PROTOCOL: StreamProtocol = StreamProtocol::new("/gpunode/kad/1.0.0
 pub const IDENTIFY_PROTOCOL_VERSION: &str = "/gpunode/1.0.0";
 /// How long one Kademlia query may run in all (walk and store).
 const KAD_QUERY_TIMEOUT: Duration = Duration::from_secs(30);
-/// Most providers one Kademlia answer names (libp2p's own is k = 20). A query stops at
-/// `event_loop::finds::MAX_PROVIDERS_PER_FIND` providers, so an answer naming fewer
-/// than this many named every provider the node holds for the key, or for every shard
-/// of a shared key (`crate::dht_store`): in a network of a few dozen nodes one answer
-/// then covers the whole key. Each provider travels with at most
-/// `dht_store::MAX_PROVIDER_ADDRESS_BYTES` of addresses, so a full answer stays well
-/// under the 64 KiB packet limit set below.
+/// Most providers one Kademlia answer names (libp2p's own is k = 20). An answer from a
+/// node of this build naming fewer than this many named every provider it holds for
+/// the key, or for every shard of a shared key (`crate::dht_store`): in a network of a
+/// few dozen nodes one answer then covers the whole key. It is as many as a query asks
+/// at most (`event_loop::finds::MAX_PROVIDERS_PER_FIND`). Each provider travels with at
+/// most `dht_store::MAX_PROVIDER_ADDRESS_BYTES` of addresses, so a full answer stays
+/// well under the 64 KiB packet limit set below.
 pub(crate) const PROVIDER_ANSWER_LIMIT: usize = 64;
 /// How often each connection is pinged (its first ping goes out on connect). The RTT
 /// only ranks offers and shows in `status`; QUIC's own keep-alive keeps a connection up.

@@ -10,11 +10,12 @@ use std::time::Duration;
 use gpunode_protocol::advert::OfferFilter;
 use testnet::TestNet;
 
-/// libp2p's Kademlia answers with at most 20 of a key's providers (gpunode's with up to
-/// 64, `network::PROVIDER_ANSWER_LIMIT`); a model with more providers than 20 is found
-/// whole, by one query.
+/// libp2p's Kademlia answers with at most 20 of a key's providers; gpunode's answers name
+/// up to 64 (`network::PROVIDER_ANSWER_LIMIT`, as many as a query asks), so a model with
+/// more providers than 20 is found whole, by one query. (With libp2p's 20 this took a
+/// lookup that asked every node near the key; past 64 a query stops at 64 anyway.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_model_with_more_providers_than_one_answer_carries_is_found_whole() {
+async fn a_model_with_more_providers_than_libp2ps_answer_carries_is_found_whole() {
     const PROVIDERS: usize = 28;
     let net = TestNet::gpu_providers(&["1xA100-80GB"; PROVIDERS])
         .with_clients(1)

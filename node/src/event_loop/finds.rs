@@ -7,7 +7,7 @@
 //! looked up in the DHT instead. The provider lookup stops once [`SETTLED_ANSWERS`]
 //! responses named providers, the last [`QUIET_ANSWERS`] named nobody new (unless one
 //! was full, see [`FULL_ANSWER`]) and the [`CLOSEST_ANSWERED`] peers nearest the key
-//! have answered, or once the responses pause, or once the query has named
+//! have answered, or once its responses pause, or once the query has named
 //! [`MAX_PROVIDERS_PER_FIND`] providers; the query answers
 //! when every advert is in (or a short grace after the first, when some providers stay
 //! silent) with the adverts that match.
@@ -51,27 +51,34 @@ const QUIET_ANSWERS: u32 = 5;
 /// network stops growing"). A near peer that is dead or slow is waited for at most
 /// [`ANSWER_GAP`] past agreement: meanwhile Kademlia asks peers further out, whose
 /// answers would otherwise keep the lookup going until the dead peer's dial failed.
-/// It is also the most requests a lookup keeps in flight once its walk has stalled
-/// (`network.rs`): a walk stopped at these peers' answers has no use for more.
+/// It is also the most requests a lookup of one key keeps in flight once its walk has
+/// stalled (`network.rs`): a walk stopped at these peers' answers has no use for more
+/// (a shard's walk keeps fewer, [`SHARD_WALK_PARALLELISM`]).
 pub(crate) const CLOSEST_ANSWERED: usize = 8;
 /// A response naming this many providers may have left some out: a Kademlia node
 /// answers with at most this many of the providers it holds for a key (a random choice,
 /// see `crate::dht_store`). Once one does, the lookup does not stop early on agreement
 /// but asks every node near the key, each naming its own random choice.
 const FULL_ANSWER: usize = crate::network::PROVIDER_ANSWER_LIMIT;
-/// Responses of its own a walk waits for before the nearest peers' answers may stop it:
-/// its first comes from the peer nearest its key that the node knows, and names the
-/// peers nearer still, which the walk must then hear from (directly or through another
-/// walk).
-const OWN_ANSWERS: u32 = 1;
-/// Requests each walk of a shared key's query keeps in flight (Kademlia's α is 3, and
-/// a stalled walk's burst [`CLOSEST_ANSWERED`]): every answer names the providers of
-/// every shard the answering node holds, so eight walks asking three to eight peers at
-/// once mostly asked the same peers. One at a time, a walk's next peer has often
-/// answered another walk already and is skipped: at 24 nodes a query sent 31 to 34
-/// requests instead of 74, at 50 nodes 50 to 54 instead of 114, at 200 nodes 9 or 10
-/// instead of 26 (`docs/benchmarks.md`, "Answers that cover every shard").
-const SHARD_WALK_PARALLELISM: std::num::NonZeroUsize = std::num::NonZeroUsize::MIN;
+/// Responses of its own a walk waits for before the nearest peers' answers may stop it
+/// (Kademlia's α for a shard's walk, [`SHARD_WALK_PARALLELISM`]): they come from the
+/// peers nearest its key that the node knows, and name the peers nearer still, which
+/// the walk must then hear from (directly or through another walk). A peer that
+/// answered another walk is not asked (its answer covered this key's providers), so
+/// without these a walk could count as answered peers whose neighbours near its own key
+/// it never learnt.
+const OWN_ANSWERS: u32 = 2;
+/// Requests each walk of a shared key's query keeps in flight, and once stalled
+/// (Kademlia's α is 3, and a stalled provider walk's burst [`CLOSEST_ANSWERED`]): every
+/// answer names the providers of every shard the answering node holds, so eight walks
+/// asking three to eight peers at once mostly asked the same peers. With two, a walk's
+/// next peer has often answered another walk already and is skipped, and one dead or
+/// slow peer does not hold the walk: at 24 nodes a query sent about 50 requests
+/// instead of 74 (`docs/benchmarks.md`, "Answers that cover every shard").
+const SHARD_WALK_PARALLELISM: std::num::NonZeroUsize = match std::num::NonZeroUsize::new(2) {
+    Some(n) => n,
+    None => unreachable!(),
+};
 /// Most peers a query remembers as having answered for all its keys at once.
 const ANSWERED_PEERS_MAX: usize = 1024;
 /// How long the provider lookup may go without a new response, once one came, before it
@@ -85,9 +92,10 @@ const STRAGGLER_GRACE_MIN: Duration = Duration::from_millis(100);
 const STRAGGLER_GRACE_MAX: Duration = Duration::from_secs(1);
 /// How long a query started before the routing table has any peer waits for one.
 const BOOTSTRAP_WAIT: Duration = Duration::from_secs(5);
-/// Most providers one query asks for adverts. A key has at most Kademlia's k = 20
-/// providers near it, and responses mostly name the same ones; a hostile responder
-/// naming 20 made-up providers in every response cannot make a query dial more.
+/// Most providers one query asks for adverts. Once it has named this many, every walk of
+/// the query stops (one answer of 64, `network::PROVIDER_ANSWER_LIMIT`, does it); a
+/// hostile responder naming made-up providers cannot make a query dial more, though it
+/// can crowd honest ones out (their adverts fail verification and are left out).
 pub(super) const MAX_PROVIDERS_PER_FIND: usize = 64;
 
 /// Whether a provider lookup whose answers agree may stop, `since_agreed` after they first
@@ -110,7 +118,7 @@ struct ProviderWalk {
     own_answers: u32,
     /// When its shard's answers first agreed (it may stop once the nearest answered).
     agreed_at: Option<Instant>,
-    /// When it stops if no further response comes to any walk of its query.
+    /// When it stops if no further response comes.
     settles_at: Option<Instant>,
 }
 
@@ -174,6 +182,9 @@ pub(super) struct PendingFind {
     /// Peers whose answer named every provider they hold of every key looked up (at
     /// most [`ANSWERED_PEERS_MAX`]): a walk counts them among its nearest as answered.
     answered_peers: HashSet<PeerId>,
+    /// Who answered so far (this node's own store as `None`; at most
+    /// [`ANSWERED_PEERS_MAX`]): an answer repeated is counted once.
+    heard_from: HashSet<Option<PeerId>>,
     providers_done: bool,
     /// Peers named by the caller, not by a provider lookup: one that cannot be reached
     /// directly may have no address we know but its advert's, so ask the DHT.
@@ -239,6 +250,31 @@ impl PendingFind {
         tally
     }
 
+    /// Counts an answer (tallied by [`Self::tally`]; `full` when it named as many as an
+    /// answer may) for each key whose providers it names, once per answering peer (this
+    /// node's own store is `None`) unless it names someone new: each of a shared key's
+    /// walks is answered from the local store first, and a peer asked by several walks
+    /// answers each the same, which must not make one answer look like several agreeing.
+    /// A peer whose answer was not full answered for every key of the query.
+    fn count_answer(&mut self, source: Option<PeerId>, tally: &[(usize, usize)], full: bool) {
+        let names_new = tally.iter().any(|(_, new)| *new > 0);
+        let repeat = self.heard_from.contains(&source);
+        if repeat && !names_new {
+            return;
+        }
+        if !repeat && self.heard_from.len() < ANSWERED_PEERS_MAX {
+            self.heard_from.insert(source);
+        }
+        for (agreement, (named, new)) in self.agreements.iter_mut().zip(tally) {
+            agreement.answered(*named, *new > 0, full);
+        }
+        if let Some(peer) = source.filter(|_| !full) {
+            if self.answered_peers.len() < ANSWERED_PEERS_MAX {
+                self.answered_peers.insert(peer);
+            }
+        }
+    }
+
     /// Whether `peer` was already given its second try; marks it as being given one.
     fn second_try_used(&mut self, peer: PeerId) -> bool {
         if self.retried.contains(&peer) {
@@ -259,6 +295,7 @@ impl PendingFind {
             walks: Vec::new(),
             agreements: Vec::new(),
             answered_peers: HashSet::new(),
+            heard_from: HashSet::new(),
             providers_done: false,
             named_peers: false,
             readdressing: HashSet::new(),
@@ -386,7 +423,7 @@ impl EventLoop {
                 .get_providers(RecordKey::new(&key));
             self.provider_queries.insert(query, id);
             if shared {
-                // Each answer covers every shard (see `ProviderWalk`): one request at a
+                // Each answer covers every shard (see `ProviderWalk`): few requests at a
                 // time each, so that a walk's next peer is often one another walk has
                 // heard from already, and is skipped.
                 if let Some(mut q) = self.swarm.behaviour_mut().kad.query_mut(&query) {
@@ -526,24 +563,11 @@ impl EventLoop {
                         }
                     }
                 } else {
-                    let full = named >= FULL_ANSWER;
-                    for (agreement, (named, new)) in find.agreements.iter_mut().zip(tally) {
-                        agreement.answered(named, new > 0, full);
-                    }
-                    if let Some(peer) = source.filter(|_| !full) {
-                        if find.answered_peers.len() < ANSWERED_PEERS_MAX {
-                            find.answered_peers.insert(peer);
-                        }
-                    }
+                    find.count_answer(source, &tally, named >= FULL_ANSWER);
                     if let Some(walk) = find.walks.iter_mut().find(|w| w.query == query) {
                         walk.own_answers += u32::from(source.is_some());
-                    }
-                    if !find.providers.is_empty() {
-                        // A walk waiting on a dead or slow peer stops with the others:
-                        // their answers cover its key too.
-                        let settles_at = Instant::now() + ANSWER_GAP;
-                        for walk in &mut find.walks {
-                            walk.settles_at = Some(settles_at);
+                        if !find.providers.is_empty() {
+                            walk.settles_at = Some(Instant::now() + ANSWER_GAP);
                         }
                     }
                     let kad = &mut self.swarm.behaviour_mut().kad;
@@ -828,12 +852,6 @@ mod tests {
             full.answered(3, false, false);
             assert!(!full.agrees());
         }
-        let mut shard = Agreement::default();
-        shard.answered(3, true, true);
-        assert!(
-            shard.answer_was_full,
-            "an answer full over all shards may have left this one's out too"
-        );
     }
 
     /// A shared key's answer counts for each shard whose providers it names, new or
@@ -859,6 +877,58 @@ mod tests {
         let mut single = PendingFind::new(OfferFilter::default(), tx);
         single.agreements = vec![Agreement::default()];
         assert_eq!(single.tally(&answer, &local), vec![(40, 40)]);
+    }
+
+    /// The same answer twice (the local store answering each walk, or a peer asked by
+    /// two walks) counts once, unless it names someone new; a full one makes its peer
+    /// no stand-in for the other walks.
+    #[test]
+    fn a_repeated_answer_counts_once_unless_it_names_someone_new() {
+        let (tx, _rx) = oneshot::channel();
+        let mut find = PendingFind::new(OfferFilter::default(), tx);
+        find.agreements = (0..8).map(|_| Agreement::default()).collect();
+        let quiet = vec![(3, 0); 8];
+        for _ in 0..8 {
+            find.count_answer(None, &quiet, false);
+        }
+        assert_eq!(
+            find.agreements[0].answers, 1,
+            "the local store's eight answers"
+        );
+        let peer = PeerId::random();
+        find.count_answer(Some(peer), &quiet, false);
+        find.count_answer(Some(peer), &quiet, false);
+        assert_eq!(find.agreements[0].answers, 2);
+        let mut news = quiet.clone();
+        news[5] = (3, 1);
+        find.count_answer(Some(peer), &news, false);
+        assert_eq!(find.agreements[5].answers, 3, "new names count");
+        assert_eq!(find.agreements[5].quiet_answers, 0);
+        assert!(find.answered_peers.contains(&peer));
+        let crowded = PeerId::random();
+        find.count_answer(Some(crowded), &quiet, true);
+        assert!(
+            !find.answered_peers.contains(&crowded),
+            "a full answer left some out"
+        );
+        for _ in 0..20 {
+            find.count_answer(Some(PeerId::random()), &quiet, false);
+        }
+        assert!(
+            !find.agreements[0].agrees(),
+            "one full answer was among them"
+        );
+        let (tx, _rx) = oneshot::channel();
+        let mut agreeing = PendingFind::new(OfferFilter::default(), tx);
+        agreeing.agreements = vec![Agreement::default()];
+        for _ in 0..12 {
+            agreeing.count_answer(Some(peer), &[(3, 0)], false);
+        }
+        assert!(!agreeing.agreements[0].agrees(), "one peer is not ten");
+        for _ in 0..9 {
+            agreeing.count_answer(Some(PeerId::random()), &[(3, 0)], false);
+        }
+        assert!(agreeing.agreements[0].agrees());
     }
 
     /// Kademlia (as libp2p hashes keys) places each provider nearer its own shard of a
