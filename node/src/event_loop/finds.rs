@@ -75,10 +75,8 @@ const OWN_ANSWERS: u32 = 2;
 /// next peer has often answered another walk already and is skipped, and one dead or
 /// slow peer does not hold the walk: at 24 nodes a query sent about 50 requests
 /// instead of 74 (`docs/benchmarks.md`, "Answers that cover every shard").
-const SHARD_WALK_PARALLELISM: std::num::NonZeroUsize = match std::num::NonZeroUsize::new(2) {
-    Some(n) => n,
-    None => unreachable!(),
-};
+const SHARD_WALK_PARALLELISM: std::num::NonZeroUsize =
+    std::num::NonZeroUsize::new(2).expect("nonzero");
 /// Most peers a query remembers as having answered for all its keys at once.
 const ANSWERED_PEERS_MAX: usize = 1024;
 /// How long the provider lookup may go without a new response, once one came, before it
@@ -364,20 +362,24 @@ impl ParkedFinds {
 }
 
 /// Stops each walk of `find` whose key's answers agree, once the peers nearest its key
-/// have answered (it or, for all keys at once, another walk; and it has had an answer
+/// have answered (it or, for all keys at once, another walk; and it has had answers
 /// of its own, [`OWN_ANSWERS`]) or [`ANSWER_GAP`] after they first agreed. First, each
-/// walk takes the peers that answered for all keys as answered, and does not ask them.
+/// walk of a shared key takes the peers that answered for all keys as answered, and
+/// does not ask them (a single key's walk has asked them itself).
 /// `ending` is the walk whose last response this was, if it was.
 fn stop_agreed_walks(
     find: &mut PendingFind,
     kad: &mut kad::Behaviour<crate::dht_store::DhtStore>,
     ending: (QueryId, bool),
 ) {
+    let shared = find.agreements.len() > 1;
     for walk in &mut find.walks {
         let Some(mut q) = kad.query_mut(&walk.query) else {
             continue;
         };
-        q.mark_answered(&find.answered_peers);
+        if shared {
+            q.mark_answered(&find.answered_peers);
+        }
         let agrees = find
             .agreements
             .get(walk.shard)
