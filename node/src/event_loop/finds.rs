@@ -933,6 +933,20 @@ mod tests {
         assert!(agreeing.agreements[0].agrees());
     }
 
+    /// A flood of answering peers (each answer from another machine) leaves the query's
+    /// memory of them bounded.
+    #[test]
+    fn the_peers_a_query_remembers_are_bounded() {
+        let (tx, _rx) = oneshot::channel();
+        let mut find = PendingFind::new(OfferFilter::default(), tx);
+        find.agreements = (0..8).map(|_| Agreement::default()).collect();
+        for _ in 0..ANSWERED_PEERS_MAX + 500 {
+            find.count_answer(Some(PeerId::random()), &[(0, 0); 8], false);
+        }
+        assert_eq!(find.answered_peers.len(), ANSWERED_PEERS_MAX);
+        assert_eq!(find.heard_from.len(), ANSWERED_PEERS_MAX);
+    }
+
     /// Kademlia (as libp2p hashes keys) places each provider nearer its own shard of a
     /// shared key than any other shard, so its records go to its own neighbours, and a
     /// query for the key looks up every shard.
