@@ -343,6 +343,176 @@ async fn lies_told_in_answer_to_an_advert_fetch_are_refused_and_counted() {
     net.shutdown().await;
 }
 
+#[derive(NetworkBehaviour)]
+struct Chatty {
+    identify: identify::Behaviour,
+    kad: kad::Behaviour<MemoryStore>,
+}
+
+#[derive(NetworkBehaviour)]
+struct Asker {
+    kad: kad::Behaviour<MemoryStore>,
+}
+
+/// Drives `swarm` until one of its behaviour's events satisfies `until`, by `deadline`.
+async fn drive_until(
+    swarm: &mut libp2p::Swarm<Chatty>,
+    deadline: tokio::time::Instant,
+    until: impl Fn(&ChattyEvent) -> bool,
+) {
+    loop {
+        let event = tokio::time::timeout_at(deadline, swarm.select_next_some())
+            .await
+            .expect("the node answers in time");
+        if let SwarmEvent::Behaviour(e) = &event {
+            if until(e) {
+                return;
+            }
+        }
+    }
+}
+
+/// Kademlia for `me` in `mode`, taking answers up to 256 KiB (so that only the node's
+/// bound, not the packet size, limits what it can hear).
+fn kad_behaviour(me: PeerId, mode: kad::Mode) -> kad::Behaviour<MemoryStore> {
+    let mut cfg = kad::Config::new(gpunode_node::network::KAD_PROTOCOL);
+    cfg.set_max_packet_size(256 * 1024);
+    let mut kad = kad::Behaviour::with_config(me, MemoryStore::new(me), cfg);
+    kad.set_mode(Some(mode));
+    kad
+}
+
+/// A peer that pushes identify again and again, each push naming 20 addresses it never
+/// named before (600 in all): the node keeps at most libp2p-kad's bound of them for the
+/// peer (the first it heard and the newest), so its `FIND_NODE` answers naming the peer
+/// stay small. Without the bound the answer named 601 addresses, 31 KB: twice libp2p's
+/// default packet size.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_naming_ever_new_addresses_is_kept_within_the_bound() {
+    let net = TestNet::gpu_providers(&["1xT4-16GB"])
+        .start()
+        .await
+        .expect("start");
+    let node = net.provider(0).handle.peer_id();
+    let mut node_addr: Multiaddr = net.provider(0).addr.parse().expect("addr");
+    node_addr.pop();
+
+    let key = identity::Keypair::generate_ed25519();
+    let me = key.public().to_peer_id();
+    let mut chatty = libp2p::SwarmBuilder::with_existing_identity(key.clone())
+        .with_tokio()
+        .with_quic()
+        .with_behaviour(|key| Chatty {
+            identify: identify::Behaviour::new(
+                identify::Config::new(
+                    gpunode_node::network::IDENTIFY_PROTOCOL_VERSION.to_string(),
+                    key.public(),
+                )
+                .with_hide_listen_addrs(true),
+            ),
+            kad: kad_behaviour(me, kad::Mode::Server),
+        })
+        .expect("behaviour")
+        .build();
+    chatty
+        .listen_on("/ip4/127.0.0.1/udp/0/quic-v1".parse().expect("addr"))
+        .expect("listen");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    // Its real address first: the one the node keeps whatever comes after it.
+    loop {
+        let event = tokio::time::timeout_at(deadline, chatty.select_next_some())
+            .await
+            .expect("listening");
+        if let SwarmEvent::NewListenAddr { address, .. } = event {
+            chatty.add_external_address(address);
+            break;
+        }
+    }
+    chatty.dial(node_addr.clone()).expect("dial");
+    let from_node = |e: &ChattyEvent| matches!(e, ChattyEvent::Identify(identify::Event::Received { peer_id, .. }) if *peer_id == node);
+    drive_until(&mut chatty, deadline, from_node).await;
+    // 30 pushes of 20 new addresses each (libp2p keeps the newest 20 of our external
+    // addresses, and identify sends them all).
+    let address = |n: u16| -> Multiaddr {
+        format!("/ip4/127.0.0.1/udp/{}/quic-v1", 20_000 + n)
+            .parse()
+            .expect("addr")
+    };
+    const PUSHES: u16 = 30;
+    for push in 0..PUSHES {
+        for i in 0..20 {
+            chatty.add_external_address(address(push * 20 + i));
+        }
+        chatty.behaviour_mut().identify.push([node]);
+        let pushed = |e: &ChattyEvent| matches!(e, ChattyEvent::Identify(identify::Event::Pushed { peer_id, .. }) if *peer_id == node);
+        drive_until(&mut chatty, deadline, pushed).await;
+    }
+    let newest = address(PUSHES * 20 - 1).with_p2p(me).expect("p2p");
+    let chatty = tokio::spawn(async move {
+        loop {
+            chatty.select_next_some().await;
+        }
+    });
+
+    // Someone else asks the node for the peers closest to the chatty one.
+    let mut asker = libp2p::SwarmBuilder::with_new_identity()
+        .with_tokio()
+        .with_quic()
+        .with_behaviour(|key| Asker {
+            kad: kad_behaviour(key.public().to_peer_id(), kad::Mode::Client),
+        })
+        .expect("behaviour")
+        .build();
+    asker.behaviour_mut().kad.add_address(&node, node_addr);
+    let told = loop {
+        let query = asker.behaviour_mut().kad.get_closest_peers(me);
+        let told = loop {
+            let event = tokio::time::timeout_at(deadline, asker.select_next_some())
+                .await
+                .expect("the node answers FIND_NODE in time");
+            if let SwarmEvent::Behaviour(AskerEvent::Kad(kad::Event::OutboundQueryProgressed {
+                id,
+                result: kad::QueryResult::GetClosestPeers(result),
+                ..
+            })) = event
+            {
+                if id == query {
+                    let peers = match result {
+                        Ok(ok) => ok.peers,
+                        Err(kad::GetClosestPeersError::Timeout { peers, .. }) => peers,
+                    };
+                    break peers.into_iter().find(|p| p.peer_id == me).map(|p| p.addrs);
+                }
+            }
+        };
+        // The node handles the last push on its own loop: ask until it shows.
+        match told {
+            Some(addrs) if addrs.contains(&newest) => break addrs,
+            _ => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    };
+    chatty.abort();
+    let bytes: usize = told.iter().map(|a| a.as_ref().len()).sum();
+    assert!(
+        told.len() <= kad::MAX_PEER_ADDRESSES && bytes <= kad::MAX_PEER_ADDRESS_BYTES,
+        "the node names the chatty peer with {} addresses, {bytes} bytes",
+        told.len()
+    );
+    assert!(told.len() >= 2, "the first and the newest: {told:?}");
+    // The node still serves its own peers.
+    let mut net = net;
+    let client = net.add_client().await.expect("client");
+    TestNet::wait_for_offers(
+        &client.handle,
+        &OfferFilter::default(),
+        Duration::from_secs(20),
+        |o| o.len() == 1,
+    )
+    .await
+    .expect("the node's offer is still found");
+    net.shutdown().await;
+}
+
 /// The kit's attacks on real nodes: each one is refused, nothing is lost, and the honest
 /// peer beside it is still served.
 mod attacks {

@@ -23,6 +23,20 @@ use std::fmt;
 use libp2p_core::Multiaddr;
 use smallvec::SmallVec;
 
+/// gpunode: the most addresses kept for one peer of the routing table.
+///
+/// A peer names its own addresses (identify, pushed again whenever it likes), and
+/// upstream kept every one it was ever told: a hostile peer pushing new addresses grew
+/// its entry without end, and with it every answer that names the peer (`FIND_NODE`'s
+/// closer peers, `GET_PROVIDERS` for a provider record without addresses) until those
+/// answers no longer fit a Kademlia packet. Past either bound the oldest addresses but
+/// the first go.
+pub const MAX_PEER_ADDRESSES: usize = 16;
+/// gpunode: the most bytes of addresses (their binary form, `/p2p` suffix included)
+/// kept for one peer of the routing table; as much as gpunode keeps of a provider
+/// record's addresses, so that an answer of 20 closer peers stays under 11 KB.
+pub const MAX_PEER_ADDRESS_BYTES: usize = 512;
+
 /// A non-empty list of (unique) addresses of a peer in the routing table.
 /// Every address must be a fully-qualified /p2p address.
 #[derive(Clone)]
@@ -87,12 +101,39 @@ impl Addresses {
     ///
     /// Returns true if the address was added, false otherwise (i.e. if the
     /// address is already in the list).
+    ///
+    /// gpunode: also false if it would not fit beside the first address
+    /// ([`MAX_PEER_ADDRESS_BYTES`]); once added, the oldest addresses after the first
+    /// go until the list is within [`MAX_PEER_ADDRESSES`] and [`MAX_PEER_ADDRESS_BYTES`].
     pub fn insert(&mut self, addr: Multiaddr) -> bool {
+        let first = self.addrs.first().map_or(0, |a| a.as_ref().len());
+        if first + addr.as_ref().len() > MAX_PEER_ADDRESS_BYTES {
+            return false;
+        }
         if self.addrs.iter().all(|a| *a != addr) {
             self.addrs.push(addr);
+            self.trim();
             true
         } else {
             false
+        }
+    }
+
+    /// gpunode: whether `addr` alone is within [`MAX_PEER_ADDRESS_BYTES`], so that a
+    /// list may start with it.
+    pub fn fits(addr: &Multiaddr) -> bool {
+        addr.as_ref().len() <= MAX_PEER_ADDRESS_BYTES
+    }
+
+    /// gpunode: drops the oldest addresses after the first until the list is within
+    /// [`MAX_PEER_ADDRESSES`] and [`MAX_PEER_ADDRESS_BYTES`].
+    fn trim(&mut self) {
+        let bytes = |addrs: &[Multiaddr]| addrs.iter().map(|a| a.as_ref().len()).sum::<usize>();
+        while self.addrs.len() > 1
+            && (self.addrs.len() > MAX_PEER_ADDRESSES
+                || bytes(&self.addrs) > MAX_PEER_ADDRESS_BYTES)
+        {
+            self.addrs.remove(1);
         }
     }
 
@@ -103,6 +144,8 @@ impl Addresses {
     pub fn replace(&mut self, old: &Multiaddr, new: &Multiaddr) -> bool {
         if let Some(a) = self.addrs.iter_mut().find(|a| *a == old) {
             *a = new.clone();
+            // gpunode: a longer address may take the list past its bound.
+            self.trim();
             return true;
         }
 

@@ -631,6 +631,10 @@ where
                 entry.value().insert(address);
                 RoutingUpdate::Pending
             }
+            // gpunode: an address longer than a peer may keep is not a first one either.
+            Some(kbucket::Entry::Absent(_)) if !Addresses::fits(&address) => {
+                RoutingUpdate::Failed
+            }
             Some(kbucket::Entry::Absent(entry)) => {
                 let addresses = Addresses::new(address);
                 let status = if self.connected_peers.contains(peer) {
@@ -1400,6 +1404,8 @@ where
                 if new_status != NodeStatus::Connected {
                     return;
                 }
+                // gpunode: an address longer than a peer may keep counts as none.
+                let address = address.filter(Addresses::fits);
                 match (address, self.kbucket_inserts) {
                     (None, _) => {
                         self.queued_events

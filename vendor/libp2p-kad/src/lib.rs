@@ -56,7 +56,7 @@ mod proto {
 
 use std::num::NonZeroUsize;
 
-pub use addresses::Addresses;
+pub use addresses::{Addresses, MAX_PEER_ADDRESSES, MAX_PEER_ADDRESS_BYTES};
 pub use behaviour::{
     AddProviderContext, AddProviderError, AddProviderOk, AddProviderPhase, AddProviderResult,
     Behaviour, BootstrapError, BootstrapOk, BootstrapResult, BucketInserts, Caching, Config, Event,
