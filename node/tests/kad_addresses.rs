@@ -51,3 +51,34 @@ fn a_peer_naming_ever_more_addresses_keeps_the_first_and_the_newest_within_the_b
     assert!(!addresses.insert(huge));
     assert_eq!(addresses.into_vec(), kept);
 }
+
+/// A connection's address change is taken only where the list stays within the bound and
+/// has no such address already.
+#[test]
+fn an_address_change_that_would_pass_the_bound_is_not_taken() {
+    let long = |n: u16| -> Multiaddr {
+        format!("/dns4/{}.example/tcp/{n}", "x".repeat(90))
+            .parse()
+            .expect("addr")
+    };
+    let mut addresses = Addresses::new(tcp_addr(1));
+    for n in 0..4 {
+        assert!(addresses.insert(long(n)));
+    }
+    let before = addresses.clone().into_vec();
+    let bytes = |a: &[Multiaddr]| a.iter().map(|a| a.as_ref().len()).sum::<usize>();
+    // Swapping the short first address for a long one would pass 512 bytes.
+    assert!(
+        bytes(&before) - tcp_addr(1).as_ref().len() + long(9).as_ref().len()
+            > MAX_PEER_ADDRESS_BYTES
+    );
+    assert!(!addresses.replace(&tcp_addr(1), &long(9)));
+    // An address it has already.
+    assert!(!addresses.replace(&tcp_addr(1), &long(2)));
+    assert_eq!(addresses.clone().into_vec(), before);
+    // A change within the bound is taken, in place.
+    assert!(addresses.replace(&long(0), &tcp_addr(2)));
+    let after = addresses.into_vec();
+    assert_eq!(after[1], tcp_addr(2));
+    assert!(bytes(&after) <= MAX_PEER_ADDRESS_BYTES);
+}

@@ -34,7 +34,7 @@ use smallvec::SmallVec;
 pub const MAX_PEER_ADDRESSES: usize = 16;
 /// gpunode: the most bytes of addresses (their binary form, `/p2p` suffix included)
 /// kept for one peer of the routing table; as much as gpunode keeps of a provider
-/// record's addresses, so that an answer of 20 closer peers stays under 11 KB.
+/// record's addresses, so that an answer of 20 closer peers stays within about 12 KB.
 pub const MAX_PEER_ADDRESS_BYTES: usize = 512;
 
 /// A non-empty list of (unique) addresses of a peer in the routing table.
@@ -141,11 +141,18 @@ impl Addresses {
     ///
     /// Returns true if the previous address was found and replaced with a clone
     /// of the new address, returns false otherwise.
+    ///
+    /// gpunode: also false, the list unchanged, if the new address is in it already or
+    /// the swap would take the list past [`MAX_PEER_ADDRESS_BYTES`].
     pub fn replace(&mut self, old: &Multiaddr, new: &Multiaddr) -> bool {
+        let bytes: usize = self.addrs.iter().map(|a| a.as_ref().len()).sum();
+        if self.addrs.contains(new)
+            || bytes - old.as_ref().len().min(bytes) + new.as_ref().len() > MAX_PEER_ADDRESS_BYTES
+        {
+            return false;
+        }
         if let Some(a) = self.addrs.iter_mut().find(|a| *a == old) {
             *a = new.clone();
-            // gpunode: a longer address may take the list past its bound.
-            self.trim();
             return true;
         }
 
