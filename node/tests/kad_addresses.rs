@@ -1,11 +1,22 @@
-//! How many addresses a node keeps for a peer of its routing table (libp2p-kad's
-//! `Addresses`, bounded in our copy: vendor/README.md). A peer names its own addresses
-//! and may name new ones without end; the node keeps the first and the newest, within
-//! `MAX_PEER_ADDRESSES` and `MAX_PEER_ADDRESS_BYTES`. `hostile_peers.rs` in the testnet
-//! suite attacks a real node this way over identify.
+//! How many addresses a node keeps for a peer of its routing table, and takes for a peer
+//! another one names (libp2p-kad's `Addresses`, bounded in our copy: vendor/README.md).
+//! A peer names its own addresses and may name new ones without end; the node keeps the
+//! first and the newest, within `MAX_PEER_ADDRESSES` and `MAX_PEER_ADDRESS_BYTES`
+//! (`hostile_peers.rs` in the testnet suite attacks a real node this way over identify).
+//! A peer answering a walk may name a third with as many addresses as a packet holds;
+//! the walker takes no more than those bounds, so a dial does not try them all.
 
-use libp2p::kad::{Addresses, MAX_PEER_ADDRESSES, MAX_PEER_ADDRESS_BYTES};
-use libp2p::Multiaddr;
+mod common;
+use common::listen;
+
+use std::time::Duration;
+
+use futures::{AsyncReadExt, AsyncWriteExt, StreamExt};
+use gpunode_node::network::KAD_PROTOCOL;
+use libp2p::kad::store::MemoryStore;
+use libp2p::kad::{self, Addresses, MAX_PEER_ADDRESSES, MAX_PEER_ADDRESS_BYTES};
+use libp2p::swarm::{DialError, NetworkBehaviour, SwarmEvent};
+use libp2p::{Multiaddr, PeerId};
 
 fn tcp_addr(port: u16) -> Multiaddr {
     format!("/ip4/127.0.0.1/tcp/{port}").parse().expect("addr")
@@ -52,6 +63,20 @@ fn a_peer_naming_ever_more_addresses_keeps_the_first_and_the_newest_within_the_b
     assert_eq!(addresses.into_vec(), kept);
 }
 
+/// What a node takes of the addresses a peer names for a third: the first that fit both
+/// bounds, one too long skipped.
+#[test]
+fn of_the_addresses_named_for_a_peer_the_first_within_the_bound_are_taken() {
+    let huge: Multiaddr = format!("/dns4/{}.example/tcp/1", "y".repeat(600))
+        .parse()
+        .expect("addr");
+    let named: Vec<Multiaddr> = std::iter::once(huge)
+        .chain((0..100).map(tcp_addr))
+        .collect();
+    let taken = Addresses::bounded(&named);
+    assert_eq!(taken, named[1..=MAX_PEER_ADDRESSES].to_vec());
+}
+
 /// A connection's address change is taken only where the list stays within the bound and
 /// has no such address already.
 #[test]
@@ -81,4 +106,145 @@ fn an_address_change_that_would_pass_the_bound_is_not_taken() {
     let after = addresses.into_vec();
     assert_eq!(after[1], tcp_addr(2));
     assert!(bytes(&after) <= MAX_PEER_ADDRESS_BYTES);
+}
+
+#[derive(NetworkBehaviour)]
+struct Walker {
+    kad: kad::Behaviour<MemoryStore>,
+}
+
+#[derive(NetworkBehaviour)]
+struct Raw {
+    stream: libp2p_stream::Behaviour,
+}
+
+/// A protobuf varint.
+fn varint(mut n: usize, out: &mut Vec<u8>) {
+    while n >= 0x80 {
+        out.push((n as u8 & 0x7f) | 0x80);
+        n >>= 7;
+    }
+    out.push(n as u8);
+}
+
+/// A length-delimited protobuf field.
+fn field(tag: u8, bytes: &[u8], out: &mut Vec<u8>) {
+    out.push(tag);
+    varint(bytes.len(), out);
+    out.extend_from_slice(bytes);
+}
+
+/// Kademlia's `FIND_NODE` answer naming one peer, `named`, with `addrs`: written by hand,
+/// since our copy of libp2p-kad would not hold that many for one peer.
+fn find_node_answer(named: &PeerId, addrs: &[Multiaddr]) -> Vec<u8> {
+    let mut peer = Vec::new();
+    field(0x0a, &named.to_bytes(), &mut peer);
+    for a in addrs {
+        field(0x12, a.as_ref(), &mut peer);
+    }
+    let mut message = vec![0x08, 4]; // type: FIND_NODE
+    field(0x42, &peer, &mut message); // closerPeers
+    let mut framed = Vec::new();
+    varint(message.len(), &mut framed);
+    framed.extend(message);
+    framed
+}
+
+/// A peer that answers every Kademlia request by naming one made-up peer with 600
+/// addresses (TCP ones, which a QUIC-only walker fails to dial at once): the walker's
+/// dial of that peer tries at most the bound, where it tried all 600.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_named_with_hundreds_of_addresses_is_dialled_at_a_bounded_few() {
+    tokio::time::timeout(Duration::from_secs(60), async {
+        let named = PeerId::random();
+        let addrs: Vec<Multiaddr> = (0..600u16)
+            .map(|port| {
+                format!("/ip4/127.0.0.1/tcp/{}", 10_000 + port)
+                    .parse()
+                    .expect("addr")
+            })
+            .collect();
+        let answer = find_node_answer(&named, &addrs);
+        let mut liar = libp2p::SwarmBuilder::with_new_identity()
+            .with_tokio()
+            .with_quic()
+            .with_behaviour(|_| Raw {
+                stream: libp2p_stream::Behaviour::new(),
+            })
+            .expect("behaviour")
+            .build();
+        let liar_id = *liar.local_peer_id();
+        let liar_addr = listen(&mut liar).await;
+        let mut incoming = liar
+            .behaviour()
+            .stream
+            .new_control()
+            .accept(KAD_PROTOCOL)
+            .expect("accept");
+        let answering = tokio::spawn(async move {
+            while let Some((_, mut stream)) = incoming.next().await {
+                // The request: a varint length, then that many bytes.
+                let (mut len, mut shift) = (0usize, 0);
+                loop {
+                    let mut b = [0u8; 1];
+                    if stream.read_exact(&mut b).await.is_err() {
+                        break;
+                    }
+                    len |= ((b[0] & 0x7f) as usize) << shift;
+                    shift += 7;
+                    if b[0] & 0x80 == 0 {
+                        break;
+                    }
+                }
+                let mut request = vec![0u8; len];
+                let _ = stream.read_exact(&mut request).await;
+                let _ = stream.write_all(&answer).await;
+                let _ = stream.close().await;
+            }
+        });
+        let liar_driver = tokio::spawn(async move {
+            loop {
+                liar.select_next_some().await;
+            }
+        });
+
+        let mut walker = libp2p::SwarmBuilder::with_new_identity()
+            .with_tokio()
+            .with_quic()
+            .with_behaviour(|key| {
+                let me = key.public().to_peer_id();
+                let mut cfg = kad::Config::new(KAD_PROTOCOL);
+                cfg.set_max_packet_size(64 * 1024);
+                let mut kad = kad::Behaviour::with_config(me, MemoryStore::new(me), cfg);
+                kad.set_mode(Some(kad::Mode::Client));
+                Walker { kad }
+            })
+            .expect("behaviour")
+            .build();
+        walker.behaviour_mut().kad.add_address(&liar_id, liar_addr);
+        walker.behaviour_mut().kad.get_closest_peers(named);
+        let tried = loop {
+            if let SwarmEvent::OutgoingConnectionError {
+                peer_id: Some(peer),
+                error: DialError::Transport(tried),
+                ..
+            } = walker.select_next_some().await
+            {
+                if peer == named {
+                    break tried;
+                }
+            }
+        };
+        answering.abort();
+        liar_driver.abort();
+        assert!(
+            !tried.is_empty() && tried.len() <= MAX_PEER_ADDRESSES,
+            "the dial tried {} addresses",
+            tried.len()
+        );
+        let first = addrs[0].clone().with_p2p(named).expect("p2p");
+        assert_eq!(tried[0].0, first, "the first named are tried");
+    })
+    .await
+    .expect("within a minute");
 }

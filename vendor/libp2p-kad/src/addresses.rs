@@ -125,6 +125,24 @@ impl Addresses {
         addr.as_ref().len() <= MAX_PEER_ADDRESS_BYTES
     }
 
+    /// gpunode: the first of `addrs` that fit within [`MAX_PEER_ADDRESSES`] and
+    /// [`MAX_PEER_ADDRESS_BYTES`] together (one that would pass the byte bound is
+    /// skipped): what a node takes of the addresses another peer names for a third.
+    pub fn bounded<'a>(addrs: impl IntoIterator<Item = &'a Multiaddr>) -> Vec<Multiaddr> {
+        let mut kept = Vec::new();
+        let mut bytes = 0;
+        for addr in addrs {
+            if kept.len() == MAX_PEER_ADDRESSES {
+                break;
+            }
+            if bytes + addr.as_ref().len() <= MAX_PEER_ADDRESS_BYTES {
+                bytes += addr.as_ref().len();
+                kept.push(addr.clone());
+            }
+        }
+        kept
+    }
+
     /// gpunode: drops the oldest addresses after the first until the list is within
     /// [`MAX_PEER_ADDRESSES`] and [`MAX_PEER_ADDRESS_BYTES`].
     fn trim(&mut self) {

@@ -1261,7 +1261,9 @@ where
                     query=?query_id,
                     "Peer reported by source in query"
                 );
-                let addrs = peer.multiaddrs.iter().cloned().collect();
+                // gpunode: a peer names a third with as many addresses as a packet holds,
+                // and a dial tries each; take what a routing-table entry may hold.
+                let addrs = Addresses::bounded(&peer.multiaddrs).into_iter().collect();
                 query.peers.addresses.insert(peer.node_id, addrs);
             }
             query.on_success(source, others_iter.map(|kp| kp.node_id))
