@@ -23,6 +23,11 @@ pub const ADVERT_SIGNING_TAG: &[u8] = b"gpunode/advert/v1\0";
 pub const ADVERT_VERSION: u16 = 1;
 /// Largest signed advert a reader will look at, in bytes.
 pub const MAX_SIGNED_ADVERT_BYTES: usize = 16 * 1024;
+/// Most addresses an advert may list: libp2p keeps at most 20 external addresses of a
+/// node, which is what an advert lists. A requester dials a provider at every address
+/// its advert names, so one listing hundreds (as many as fit in 16 KiB) would have every
+/// requester that looks at it dial hundreds of endpoints of the advertiser's choosing.
+pub const MAX_ADVERT_ADDRS: usize = 20;
 /// Longest lifetime an advert may claim; longer ones are refused as malformed.
 pub const MAX_ADVERT_TTL_MS: u64 = 24 * 3600 * 1000;
 
@@ -121,6 +126,9 @@ pub enum AdvertError {
     /// Expiry before issue time or lifetime beyond [`MAX_ADVERT_TTL_MS`].
     #[error("advert lifetime is invalid")]
     BadLifetime,
+    /// Lists more than [`MAX_ADVERT_ADDRS`] addresses.
+    #[error("advert lists {0} addresses (at most {MAX_ADVERT_ADDRS} allowed)")]
+    TooManyAddresses(usize),
     /// A lower or equal sequence number than one already seen from the same publisher.
     #[error("advert sequence {got} is not newer than {known}")]
     Stale {
@@ -144,6 +152,7 @@ impl AdvertError {
             AdvertError::Expired { .. } => "expired",
             AdvertError::FromFuture { .. } | AdvertError::BadLifetime => "bad_time",
             AdvertError::Stale { .. } => "stale",
+            AdvertError::TooManyAddresses(_) => "too_many_addresses",
         }
     }
 }
@@ -405,6 +414,9 @@ pub fn verify_advert(
     {
         return Err(AdvertError::BadLifetime);
     }
+    if advert.listen_addrs.len() > MAX_ADVERT_ADDRS {
+        return Err(AdvertError::TooManyAddresses(advert.listen_addrs.len()));
+    }
     check_advert_clock(&advert, now)?;
     Ok(advert)
 }
@@ -539,6 +551,22 @@ mod tests {
         long.expires_at_ms = NOW + MAX_ADVERT_TTL_MS + 1;
         let err = verify_advert(&long.sign(&k).expect("sign"), &a.publisher, NOW).unwrap_err();
         assert_eq!(err, AdvertError::BadLifetime);
+    }
+
+    /// An advert naming more addresses than libp2p lets a node have is refused, signed
+    /// or not: requesters would dial each.
+    #[test]
+    fn an_advert_listing_more_addresses_than_a_node_has_is_refused() {
+        let k = Keypair::generate_ed25519();
+        let mut a = sample(&k, 1, NOW);
+        a.listen_addrs = (0..MAX_ADVERT_ADDRS)
+            .map(|i| format!("/ip4/192.0.2.1/udp/{}/quic-v1", 1000 + i))
+            .collect();
+        assert!(verify_advert(&a.sign(&k).expect("sign"), &a.publisher, NOW).is_ok());
+        a.listen_addrs.push("/ip4/192.0.2.1/udp/999/quic-v1".into());
+        let err = verify_advert(&a.sign(&k).expect("sign"), &a.publisher, NOW).unwrap_err();
+        assert_eq!(err, AdvertError::TooManyAddresses(MAX_ADVERT_ADDRS + 1));
+        assert_eq!(err.reason(), "too_many_addresses");
     }
 
     #[test]
