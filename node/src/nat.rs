@@ -94,6 +94,24 @@ pub fn advertised(candidates: &[Multiaddr]) -> Vec<Multiaddr> {
     out
 }
 
+/// The addresses an advert lists, at most `max`: those peers anywhere can reach first
+/// (public, then relayed), then those of unknown scope, then LAN and loopback ones.
+pub fn best_reachable<'a>(
+    addrs: impl Iterator<Item = &'a Multiaddr>,
+    max: usize,
+) -> Vec<Multiaddr> {
+    let rank = |a: &Multiaddr| match scope_of(a) {
+        Some(Scope::Public) => 0,
+        Some(Scope::Relayed) => 1,
+        None => 2,
+        Some(Scope::Private) => 3,
+        Some(Scope::Loopback) => 4,
+    };
+    let mut ranked: Vec<&Multiaddr> = addrs.collect();
+    ranked.sort_by_key(|a| rank(a));
+    ranked.into_iter().take(max).cloned().collect()
+}
+
 /// Whether a peer's address `addr` is worth keeping when we reach that peer over `link`:
 /// its LAN and loopback addresses only mean something to a peer on the same LAN (or
 /// machine), so a peer met across the internet is never dialled at them.
@@ -295,6 +313,29 @@ mod tests {
         assert!(dialable_via(&lan, &lan));
         assert!(dialable_via(&lan, &lo));
         assert!(dialable_via(&lo, &lo));
+    }
+
+    /// A host with more addresses than an advert may list keeps those peers anywhere can
+    /// reach: 30 LAN addresses do not push out the public one or the relay circuit.
+    #[test]
+    fn an_advert_cut_to_its_bound_keeps_the_addresses_reachable_from_anywhere() {
+        let public = a("/ip4/198.51.100.2/udp/1/quic-v1");
+        let relayed = a(&format!(
+            "/ip4/198.51.100.9/udp/1/quic-v1/p2p/{}/p2p-circuit",
+            libp2p::PeerId::random()
+        ));
+        let mut all: Vec<Multiaddr> = (0..30)
+            .map(|i| a(&format!("/ip4/192.168.1.{i}/udp/1/quic-v1")))
+            .collect();
+        all.push(a("/ip4/127.0.0.1/udp/1/quic-v1"));
+        all.push(relayed.clone());
+        all.push(public.clone());
+        let kept = best_reachable(all.iter(), 20);
+        assert_eq!(kept.len(), 20);
+        assert_eq!(&kept[..2], &[public, relayed]);
+        assert!(kept[2..]
+            .iter()
+            .all(|k| scope_of(k) == Some(Scope::Private)));
     }
 
     #[test]

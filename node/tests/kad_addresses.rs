@@ -134,94 +134,107 @@ fn field(tag: u8, bytes: &[u8], out: &mut Vec<u8>) {
     out.extend_from_slice(bytes);
 }
 
-/// Kademlia's `FIND_NODE` answer naming one peer, `named`, with `addrs`: written by hand,
-/// since our copy of libp2p-kad would not hold that many for one peer.
-fn find_node_answer(named: &PeerId, addrs: &[Multiaddr]) -> Vec<u8> {
-    let mut peer = Vec::new();
-    field(0x0a, &named.to_bytes(), &mut peer);
-    for a in addrs {
-        field(0x12, a.as_ref(), &mut peer);
-    }
+/// Kademlia's `FIND_NODE` answer naming `named` peers with their addresses, framed as
+/// the codec reads it: written by hand, since our copy of libp2p-kad would neither hold
+/// nor send that many.
+fn find_node_answer(named: &[(PeerId, Vec<Multiaddr>)]) -> Vec<u8> {
     let mut message = vec![0x08, 4]; // type: FIND_NODE
-    field(0x42, &peer, &mut message); // closerPeers
+    for (id, addrs) in named {
+        let mut peer = Vec::new();
+        field(0x0a, &id.to_bytes(), &mut peer);
+        for a in addrs {
+            field(0x12, a.as_ref(), &mut peer);
+        }
+        field(0x42, &peer, &mut message); // closerPeers
+    }
     let mut framed = Vec::new();
     varint(message.len(), &mut framed);
     framed.extend(message);
     framed
 }
 
+/// TCP addresses on 127.0.0.1 from `port`: a QUIC-only walker fails to dial them at once.
+fn tcp_addrs(port: u16, n: u16) -> Vec<Multiaddr> {
+    (port..port + n).map(tcp_addr).collect()
+}
+
+/// A peer that answers every Kademlia request with `answer`, and the tasks that run it.
+async fn liar(answer: Vec<u8>) -> (PeerId, Multiaddr, [tokio::task::JoinHandle<()>; 2]) {
+    let mut liar = libp2p::SwarmBuilder::with_new_identity()
+        .with_tokio()
+        .with_quic()
+        .with_behaviour(|_| Raw {
+            stream: libp2p_stream::Behaviour::new(),
+        })
+        .expect("behaviour")
+        .build();
+    let id = *liar.local_peer_id();
+    let addr = listen(&mut liar).await;
+    let mut incoming = liar
+        .behaviour()
+        .stream
+        .new_control()
+        .accept(KAD_PROTOCOL)
+        .expect("accept");
+    let answering = tokio::spawn(async move {
+        while let Some((_, mut stream)) = incoming.next().await {
+            // The request: a varint length, then that many bytes.
+            let (mut len, mut shift) = (0usize, 0);
+            loop {
+                let mut b = [0u8; 1];
+                if stream.read_exact(&mut b).await.is_err() {
+                    break;
+                }
+                len |= ((b[0] & 0x7f) as usize) << shift;
+                shift += 7;
+                if b[0] & 0x80 == 0 {
+                    break;
+                }
+            }
+            let mut request = vec![0u8; len];
+            let _ = stream.read_exact(&mut request).await;
+            let _ = stream.write_all(&answer).await;
+            let _ = stream.close().await;
+        }
+    });
+    let driver = tokio::spawn(async move {
+        loop {
+            liar.select_next_some().await;
+        }
+    });
+    (id, addr, [answering, driver])
+}
+
+/// A Kademlia client under the node's protocol, taking answers of up to 64 KiB as a
+/// node does, that knows only `peer` at `addr`.
+fn walker(peer: PeerId, addr: Multiaddr) -> libp2p::Swarm<Walker> {
+    let mut walker = libp2p::SwarmBuilder::with_new_identity()
+        .with_tokio()
+        .with_quic()
+        .with_behaviour(|key| {
+            let me = key.public().to_peer_id();
+            let mut cfg = kad::Config::new(KAD_PROTOCOL);
+            cfg.set_max_packet_size(64 * 1024);
+            let mut kad = kad::Behaviour::with_config(me, MemoryStore::new(me), cfg);
+            kad.set_mode(Some(kad::Mode::Client));
+            Walker { kad }
+        })
+        .expect("behaviour")
+        .build();
+    walker.behaviour_mut().kad.add_address(&peer, addr);
+    walker
+}
+
 /// A peer that answers every Kademlia request by naming one made-up peer with 600
-/// addresses (TCP ones, which a QUIC-only walker fails to dial at once): the walker's
-/// dial of that peer tries at most the bound, where it tried all 600.
+/// addresses: the walker's dial of that peer tries at most the bound, where it tried
+/// all 600.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_named_with_hundreds_of_addresses_is_dialled_at_a_bounded_few() {
     tokio::time::timeout(Duration::from_secs(60), async {
         let named = PeerId::random();
-        let addrs: Vec<Multiaddr> = (0..600u16)
-            .map(|port| {
-                format!("/ip4/127.0.0.1/tcp/{}", 10_000 + port)
-                    .parse()
-                    .expect("addr")
-            })
-            .collect();
-        let answer = find_node_answer(&named, &addrs);
-        let mut liar = libp2p::SwarmBuilder::with_new_identity()
-            .with_tokio()
-            .with_quic()
-            .with_behaviour(|_| Raw {
-                stream: libp2p_stream::Behaviour::new(),
-            })
-            .expect("behaviour")
-            .build();
-        let liar_id = *liar.local_peer_id();
-        let liar_addr = listen(&mut liar).await;
-        let mut incoming = liar
-            .behaviour()
-            .stream
-            .new_control()
-            .accept(KAD_PROTOCOL)
-            .expect("accept");
-        let answering = tokio::spawn(async move {
-            while let Some((_, mut stream)) = incoming.next().await {
-                // The request: a varint length, then that many bytes.
-                let (mut len, mut shift) = (0usize, 0);
-                loop {
-                    let mut b = [0u8; 1];
-                    if stream.read_exact(&mut b).await.is_err() {
-                        break;
-                    }
-                    len |= ((b[0] & 0x7f) as usize) << shift;
-                    shift += 7;
-                    if b[0] & 0x80 == 0 {
-                        break;
-                    }
-                }
-                let mut request = vec![0u8; len];
-                let _ = stream.read_exact(&mut request).await;
-                let _ = stream.write_all(&answer).await;
-                let _ = stream.close().await;
-            }
-        });
-        let liar_driver = tokio::spawn(async move {
-            loop {
-                liar.select_next_some().await;
-            }
-        });
-
-        let mut walker = libp2p::SwarmBuilder::with_new_identity()
-            .with_tokio()
-            .with_quic()
-            .with_behaviour(|key| {
-                let me = key.public().to_peer_id();
-                let mut cfg = kad::Config::new(KAD_PROTOCOL);
-                cfg.set_max_packet_size(64 * 1024);
-                let mut kad = kad::Behaviour::with_config(me, MemoryStore::new(me), cfg);
-                kad.set_mode(Some(kad::Mode::Client));
-                Walker { kad }
-            })
-            .expect("behaviour")
-            .build();
-        walker.behaviour_mut().kad.add_address(&liar_id, liar_addr);
+        let addrs = tcp_addrs(10_000, 600);
+        let (liar_id, liar_addr, tasks) = liar(find_node_answer(&[(named, addrs.clone())])).await;
+        let mut walker = walker(liar_id, liar_addr);
         walker.behaviour_mut().kad.get_closest_peers(named);
         let tried = loop {
             if let SwarmEvent::OutgoingConnectionError {
@@ -235,8 +248,7 @@ async fn a_peer_named_with_hundreds_of_addresses_is_dialled_at_a_bounded_few() {
                 }
             }
         };
-        answering.abort();
-        liar_driver.abort();
+        tasks.iter().for_each(|t| t.abort());
         assert!(
             !tried.is_empty() && tried.len() <= MAX_PEER_ADDRESSES,
             "the dial tried {} addresses",
@@ -244,6 +256,52 @@ async fn a_peer_named_with_hundreds_of_addresses_is_dialled_at_a_bounded_few() {
         );
         let first = addrs[0].clone().with_p2p(named).expect("p2p");
         assert_eq!(tried[0].0, first, "the first named are tried");
+    })
+    .await
+    .expect("within a minute");
+}
+
+/// A peer that answers every Kademlia request by naming 300 made-up peers (as many as
+/// fit in an answer of a few KiB; a 64 KiB one holds over a thousand): the walk takes no
+/// more of them than an answer of ours names (k = 20), so it dials at most 20, where it
+/// dialled all 300.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_walk_takes_no_more_peers_from_one_answer_than_an_answer_names() {
+    tokio::time::timeout(Duration::from_secs(60), async {
+        let named: Vec<(PeerId, Vec<Multiaddr>)> = (0..300)
+            .map(|i| (PeerId::random(), tcp_addrs(10_000 + i, 1)))
+            .collect();
+        let (liar_id, liar_addr, tasks) = liar(find_node_answer(&named)).await;
+        let mut walker = walker(liar_id, liar_addr);
+        let query = walker
+            .behaviour_mut()
+            .kad
+            .get_closest_peers(PeerId::random());
+        let mut dialled = std::collections::HashSet::new();
+        loop {
+            match walker.select_next_some().await {
+                SwarmEvent::OutgoingConnectionError {
+                    peer_id: Some(peer),
+                    ..
+                } if peer != liar_id => {
+                    dialled.insert(peer);
+                }
+                SwarmEvent::Behaviour(WalkerEvent::Kad(kad::Event::OutboundQueryProgressed {
+                    id,
+                    step,
+                    ..
+                })) if id == query && step.last => break,
+                _ => {}
+            }
+        }
+        tasks.iter().for_each(|t| t.abort());
+        let named: std::collections::HashSet<PeerId> = named.iter().map(|(p, _)| *p).collect();
+        assert!(dialled.is_subset(&named));
+        assert!(
+            !dialled.is_empty() && dialled.len() <= 20,
+            "the walk dialled {} of the peers one answer named",
+            dialled.len()
+        );
     })
     .await
     .expect("within a minute");

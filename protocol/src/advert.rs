@@ -23,10 +23,11 @@ pub const ADVERT_SIGNING_TAG: &[u8] = b"gpunode/advert/v1\0";
 pub const ADVERT_VERSION: u16 = 1;
 /// Largest signed advert a reader will look at, in bytes.
 pub const MAX_SIGNED_ADVERT_BYTES: usize = 16 * 1024;
-/// Most addresses an advert may list: libp2p keeps at most 20 external addresses of a
-/// node, which is what an advert lists. A requester dials a provider at every address
-/// its advert names, so one listing hundreds (as many as fit in 16 KiB) would have every
+/// Most addresses an advert may list. A requester dials a provider at every address its
+/// advert names, so one listing hundreds (as many as fit in 16 KiB) would have every
 /// requester that looks at it dial hundreds of endpoints of the advertiser's choosing.
+/// A node with more addresses lists those reachable from anywhere first
+/// (`gpunode_node::nat::best_reachable`).
 pub const MAX_ADVERT_ADDRS: usize = 20;
 /// Longest lifetime an advert may claim; longer ones are refused as malformed.
 pub const MAX_ADVERT_TTL_MS: u64 = 24 * 3600 * 1000;

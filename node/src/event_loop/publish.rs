@@ -407,13 +407,14 @@ impl EventLoop {
     /// Signs a new advert of the inventory (idle GPUs under a lease shown as leased) and
     /// our external addresses, with the next sequence number, and keeps it as our record.
     fn sign_new_advert(&mut self, withdrawn: bool) -> Option<()> {
-        // libp2p keeps at most 20 (as many as peers take: `MAX_ADVERT_ADDRS`).
-        let listen_addrs: Vec<String> = self
-            .swarm
-            .external_addresses()
-            .take(gpunode_protocol::advert::MAX_ADVERT_ADDRS)
-            .map(|a| a.to_string())
-            .collect();
+        // As many as peers take (`MAX_ADVERT_ADDRS`), those reachable from anywhere first.
+        let listen_addrs: Vec<String> = crate::nat::best_reachable(
+            self.swarm.external_addresses(),
+            gpunode_protocol::advert::MAX_ADVERT_ADDRS,
+        )
+        .iter()
+        .map(|a| a.to_string())
+        .collect();
         let inventory_with_leases = self.inventory_with_leases();
         let own = self.own.as_ref()?;
         let now = now_ms();

@@ -1246,6 +1246,10 @@ where
     }
 
     /// Processes discovered peers from a successful request in an iterative `Query`.
+    /// gpunode: the callers pass at most as many peers as an answer of ours names (k
+    /// closer peers, and the provider answer limit): an answer may name as many made-up
+    /// peers as a packet holds, over a thousand, near the key at will, and a walk would
+    /// dial each, at the addresses the answer gives.
     fn discovered<'a, I>(&'a mut self, query_id: &QueryId, source: &PeerId, peers: I)
     where
         I: Iterator<Item = &'a KadPeer> + Clone,
@@ -2375,7 +2379,9 @@ where
                 closer_peers,
                 query_id,
             } => {
-                self.discovered(&query_id, &source, closer_peers.iter());
+                // gpunode: no more peers than an answer of ours names (see `discovered`).
+                let k = self.queries.config().replication_factor.get();
+                self.discovered(&query_id, &source, closer_peers.iter().take(k));
             }
 
             HandlerEvent::GetProvidersReq { key, request_id } => {
@@ -2408,7 +2414,15 @@ where
                 provider_peers,
                 query_id,
             } => {
-                let peers = closer_peers.iter().chain(provider_peers.iter());
+                // gpunode: no more peers than an answer of ours names (see `discovered`).
+                let k = self.queries.config().replication_factor.get();
+                let limit = self
+                    .queries
+                    .config()
+                    .provider_answer_limit
+                    .map_or(k, |l| l.get());
+                let provider_peers = &provider_peers[..provider_peers.len().min(limit)];
+                let peers = closer_peers.iter().take(k).chain(provider_peers.iter());
                 self.discovered(&query_id, &source, peers);
                 if let Some(query) = self.queries.get_mut(&query_id) {
                     let stats = *query.stats();
@@ -2548,7 +2562,9 @@ where
                     }
                 }
 
-                self.discovered(&query_id, &source, closer_peers.iter());
+                // gpunode: no more peers than an answer of ours names (see `discovered`).
+                let k = self.queries.config().replication_factor.get();
+                self.discovered(&query_id, &source, closer_peers.iter().take(k));
             }
 
             HandlerEvent::PutRecord { record, request_id } => {
