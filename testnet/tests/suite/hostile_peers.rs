@@ -446,11 +446,24 @@ async fn a_peer_naming_ever_new_addresses_is_kept_within_the_bound() {
         heard && answered
     };
     drive_until(&mut chatty, deadline, exchanged).await;
-    let settle = tokio::time::Instant::now() + Duration::from_millis(300);
-    while tokio::time::timeout_at(settle, chatty.select_next_some())
-        .await
-        .is_ok()
-    {}
+    // The node has taken the real address once the peer is in its routing table (empty
+    // before: the node is alone, and a peer that dialled it is added on its identify).
+    let handle = net.provider(0).handle.clone();
+    let mut check = tokio::time::interval(Duration::from_millis(20));
+    loop {
+        tokio::select! {
+            _ = chatty.select_next_some() => {}
+            _ = check.tick() => {
+                if handle.status().await.expect("status").routing_table_size >= 1 {
+                    break;
+                }
+            }
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the node never took the peer into its routing table"
+        );
+    }
     // 30 pushes of 20 new addresses each (libp2p keeps the newest 20 of our external
     // addresses, and identify sends them all).
     let address = |n: u16| -> Multiaddr {
