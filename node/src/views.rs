@@ -100,9 +100,23 @@ pub struct AdvertStatus {
     /// Capability keys the node provides under.
     pub capability_keys: Vec<String>,
     /// A publication round is under way or due (the advert or its provider records are
-    /// being stored, or stored too few copies and will be again shortly).
+    /// being stored, or stored too few copies and will be again shortly, or the network
+    /// has grown enough since the last round for one more once it stops growing).
     #[serde(default)]
     pub publishing: bool,
+    /// Publication rounds run since the node started.
+    #[serde(default)]
+    pub rounds: u64,
+    /// Whether a walk of the last round ran past its deadline and was cut short, so
+    /// that part of the round stored at the closest peers that had answered by then,
+    /// which on a busy network may fall short of the closest there are.
+    #[serde(default)]
+    pub last_round_cut_short: bool,
+    /// The network's size, by this node's estimate, that its last round published
+    /// for: the next round comes when the network has doubled since, or grown by 30%
+    /// and stopped growing (below 20 peers, on any growth).
+    #[serde(default)]
+    pub network_size_at_last_round: f64,
 }
 
 /// Everything `gpunode status` shows.
@@ -118,6 +132,10 @@ pub struct NodeStatus {
     pub connected_peers: Vec<String>,
     /// Peers in the Kademlia routing table.
     pub routing_table_size: usize,
+    /// The network's size as estimated from the distance to the 20th closest peer
+    /// this node knows (the count itself below 20).
+    #[serde(default)]
+    pub network_size_estimate: f64,
     /// Own advert.
     pub advert: AdvertStatus,
     /// Local GPUs.

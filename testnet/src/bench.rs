@@ -88,6 +88,11 @@ pub struct DiscoveryReport {
     pub closest_holding_median: usize,
     /// Providers whose record fewer than half of those 20 nodes hold.
     pub closest_holding_under_half: usize,
+    /// Publication rounds all nodes together ran until the network was formed.
+    pub rounds_at_formed: u64,
+    /// Publication rounds run while the lookups were timed (rounds a node runs once the
+    /// network stops growing come then, and share the cores with the lookups).
+    pub rounds_during_lookups: u64,
 }
 
 /// How long the discovery bench reads its process's CPU time for
@@ -142,6 +147,15 @@ async fn mean_connections(net: &TestNet) -> Result<f64> {
         total += node.handle.status().await?.connected_peers.len();
     }
     Ok(total as f64 / net.nodes.len().max(1) as f64)
+}
+
+/// Publication rounds the nodes of `net` have run, all together.
+async fn publication_rounds(net: &TestNet) -> Result<u64> {
+    let mut total = 0;
+    for node in &net.nodes {
+        total += node.handle.status().await?.advert.rounds;
+    }
+    Ok(total)
 }
 
 /// Resident set size of this process in bytes.
@@ -213,9 +227,12 @@ pub async fn discovery(n: usize, lookups: usize, idle_phase: bool) -> Result<Dis
 
     let formed_s = wait_until_quiet(&net, started).await?;
     let cpu_s_at_formed = cpu_seconds(None);
+    let rounds_at_formed = publication_rounds(&net).await?;
     eprintln!("no publication round running or due after {formed_s:.1} s");
     let placed = placements(&net).await?;
     eprintln!("of the {CLOSEST} nodes closest to its model's key, how many hold each provider's record: {placed:?}");
+    let cut_short = last_rounds_cut_short(&net).await?;
+    eprintln!("nodes whose last publication round had a walk cut short: {cut_short:?}");
     let mut times = Vec::with_capacity(lookups);
     let mut requests = Vec::with_capacity(lookups);
     let mut complete = 0usize;
@@ -242,6 +259,8 @@ pub async fn discovery(n: usize, lookups: usize, idle_phase: bool) -> Result<Dis
     if times.is_empty() {
         bail!("no lookups measured");
     }
+    let rounds_during_lookups = publication_rounds(&net).await? - rounds_at_formed;
+    eprintln!("{rounds_at_formed} publication rounds until formed, {rounds_during_lookups} during the lookups");
     times.sort_by(f64::total_cmp);
     requests.sort();
     let shared = shared_key_lookups(&client, (lookups / 10).max(10)).await?;
@@ -287,6 +306,8 @@ pub async fn discovery(n: usize, lookups: usize, idle_phase: bool) -> Result<Dis
         closest_holding_min: placed.first().copied().unwrap_or(0),
         closest_holding_median: placed.get(placed.len() / 2).copied().unwrap_or(0),
         closest_holding_under_half: placed.iter().filter(|c| **c < CLOSEST / 2).count(),
+        rounds_at_formed,
+        rounds_during_lookups,
     };
     net.shutdown().await;
     Ok(report)
@@ -346,14 +367,53 @@ const CLOSEST: usize = 20;
 /// key hold its record, sorted.
 async fn placements(net: &TestNet) -> Result<Vec<usize>> {
     let mut counts = Vec::with_capacity(net.nodes.len());
+    let mut under_half = Vec::new();
     for m in 0..BENCH_MODELS.len() {
         let placement = Placement::of(net, m).await?;
-        for node in net.nodes.iter().skip(m).step_by(BENCH_MODELS.len()) {
-            counts.push(placement.closest_holding(&node.handle.peer_id()));
+        for i in (m..net.nodes.len()).step_by(BENCH_MODELS.len()) {
+            let count = placement.closest_holding(&net.nodes[i].handle.peer_id());
+            if count < CLOSEST / 2 {
+                under_half.push(i);
+            }
+            counts.push(count);
         }
+    }
+    under_half.sort();
+    eprintln!("providers whose record fewer than half of the {CLOSEST} nodes closest to the key hold: {under_half:?}");
+    for i in under_half {
+        eprintln!("  node {i}: {}", publication_history(&net.nodes[i]).await?);
     }
     counts.sort();
     Ok(counts)
+}
+
+/// How `node` last published: its rounds, whether the last had a walk cut short, and
+/// the network's size by its estimate then and now.
+async fn publication_history(node: &TestNode) -> Result<String> {
+    let status = node.handle.status().await?;
+    let advert = &status.advert;
+    Ok(format!(
+        "{} publication rounds, the last {} for a network of {:.0} by its estimate (now {:.0})",
+        advert.rounds,
+        if advert.last_round_cut_short {
+            "with a walk cut short"
+        } else {
+            "with every walk to its end"
+        },
+        advert.network_size_at_last_round,
+        status.network_size_estimate,
+    ))
+}
+
+/// The nodes whose last publication round had a walk cut short at its deadline.
+async fn last_rounds_cut_short(net: &TestNet) -> Result<Vec<usize>> {
+    let mut nodes = Vec::new();
+    for (i, node) in net.nodes.iter().enumerate() {
+        if node.handle.status().await?.advert.last_round_cut_short {
+            nodes.push(i);
+        }
+    }
+    Ok(nodes)
 }
 
 /// Prints where the records of the providers a lookup of model `m` missed are held: by
@@ -373,9 +433,10 @@ async fn explain_miss(
         }
         let places = placement.places(&peer);
         eprintln!(
-            "  missed node {i}: its record held by {} nodes, at places {places:?} of {} by distance to the key",
+            "  missed node {i}: its record held by {} nodes, at places {places:?} of {} by distance to the key; {}",
             places.len(),
             placement.by_distance.len(),
+            publication_history(node).await?,
         );
     }
     Ok(())

@@ -51,7 +51,7 @@ use crate::metrics::Metrics;
 use crate::network::NodeBehaviour;
 use crate::standings::PeerStandings;
 use crate::store::Store;
-use crate::views::{AdvertStatus, NodeStatus};
+use crate::views::NodeStatus;
 use gpunode_protocol::gpu::GpuState;
 use gpunode_protocol::lease::LeaseReply;
 use libp2p::request_response::{OutboundRequestId, ResponseChannel};
@@ -465,19 +465,18 @@ impl EventLoop {
 
     fn status(&mut self) -> NodeStatus {
         let routing_table_size = self.routing_table_size();
+        let network_size_estimate = self.estimate_network_size();
         NodeStatus {
             peer_id: self.local_peer.to_string(),
             version: env!("CARGO_PKG_VERSION").to_string(),
             listen_addrs: self.swarm.listeners().map(|a| a.to_string()).collect(),
             connected_peers: self.connections.keys().map(|p| p.to_string()).collect(),
             routing_table_size,
+            network_size_estimate,
             advert: self
                 .own
                 .as_ref()
-                .map(|o| AdvertStatus {
-                    publishing: o.in_round() || o.publish_at.is_some(),
-                    ..o.status.clone()
-                })
+                .map(|o| o.view(network_size_estimate))
                 .unwrap_or_default(),
             inventory: self.inventory.clone(),
             external_addrs: self

@@ -66,8 +66,13 @@ const GROWTH_FACTOR: f64 = 2.0;
 /// round: about 15 from 20 to 1,000 peers, against 6 by doubling alone.
 const SETTLE_GROWTH: f64 = 1.3;
 /// How long no peer new to our routing table must have come before the network counts as
-/// no longer growing.
-const SETTLE_QUIET: Duration = Duration::from_secs(5);
+/// no longer growing. At 200 nodes, with 5 s the network was formed (counted until
+/// every settling round had come) 16 to 18 s after the last node had started, 35 to 45 s
+/// from start; with 2 s, 5.6 to 8.6 s after, 27 to 35 s from start, on less CPU and
+/// with the records placed as well; 1 s made more rounds during the joins for no faster
+/// formation (`docs/benchmarks.md`, "Formed once the settling
+/// rounds have come").
+const SETTLE_QUIET: Duration = Duration::from_secs(2);
 /// How long after the network has grown we publish again, so that a burst of
 /// new peers leads to one round.
 pub(super) const GROWTH_DELAY: Duration = Duration::from_millis(300);
@@ -97,6 +102,8 @@ pub(super) struct OwnAdvert {
     provides: Vec<PendingProvide>,
     /// The fewest copies any part of this round has stored so far.
     round_stored: Option<usize>,
+    /// Whether a walk of this round was cut short at [`WALK_DEADLINE`].
+    round_cut_short: bool,
 }
 
 /// A walk of ours, cut short at its deadline.
@@ -161,6 +168,7 @@ impl OwnAdvert {
             holders: Vec::new(),
             provides: Vec::new(),
             round_stored: None,
+            round_cut_short: false,
             grew_at: Instant::now(),
         }
     }
@@ -209,6 +217,25 @@ impl OwnAdvert {
             && now.saturating_duration_since(self.grew_at) >= SETTLE_QUIET
     }
 
+    /// What `status` shows of our advert, the network being `network_size` by our
+    /// estimate: publishing while a round runs or is due, a settling round included.
+    pub(super) fn view(&self, network_size: f64) -> AdvertStatus {
+        AdvertStatus {
+            publishing: self.in_round()
+                || self.publish_at.is_some()
+                || self.awaits_settling(network_size),
+            network_size_at_last_round: self.published_at_network_size,
+            ..self.status.clone()
+        }
+    }
+
+    /// Whether a settling round will come once the network stops growing: something was
+    /// published and the network, now `network_size` by our estimate, has grown by
+    /// [`SETTLE_GROWTH`] since. Until it has come, the node is still publishing.
+    pub(super) fn awaits_settling(&self, network_size: f64) -> bool {
+        self.status.seq > 0 && self.settled(network_size)
+    }
+
     /// Whether the network, now `network_size` by our estimate, has grown by
     /// [`SETTLE_GROWTH`] since our last round (beyond [`REPLICATION`] peers: below that
     /// [`OwnAdvert::outgrown`] publishes on any growth).
@@ -251,6 +278,7 @@ impl EventLoop {
             .collect();
         slow.extend(own.walk.filter(due).map(|w| w.query));
         let kad = &mut self.swarm.behaviour_mut().kad;
+        let mut cut_short = false;
         for id in slow {
             if let Some(mut query) = kad.query_mut(&id) {
                 if (query.stats().num_successes() as usize) < REPLICATION {
@@ -266,8 +294,12 @@ impl EventLoop {
                 );
                 if walking {
                     query.finish();
+                    cut_short = true;
                 }
             }
+        }
+        if let Some(own) = self.own.as_mut() {
+            own.round_cut_short |= cut_short;
         }
     }
 
@@ -555,6 +587,8 @@ impl EventLoop {
         // The round's walks went through the network as it is now; a node that has just
         // joined knew a peer or two when it began, and the whole network by its end.
         own.published_at_network_size = own.published_at_network_size.max(network_size);
+        own.status.rounds += 1;
+        own.status.last_round_cut_short = std::mem::take(&mut own.round_cut_short);
         let stored = own.round_stored.take().unwrap_or(0);
         if stored < MIN_COPIES.min(table) {
             tracing::debug!(stored, table, "publication under-replicated, again later");
@@ -678,7 +712,12 @@ mod tests {
         own.published_at_network_size = 100.0;
         let now = Instant::now();
         assert!(!own.may_settle(now + SETTLE_QUIET), "never published");
+        assert!(!own.awaits_settling(1000.0), "never published");
         own.status.seq = 1;
+        // Until the settling round has come the node says it is still publishing.
+        assert!(own.awaits_settling(130.0) && !own.awaits_settling(129.0));
+        assert!(own.view(130.0).publishing && !own.view(129.0).publishing);
+        assert_eq!(own.view(130.0).network_size_at_last_round, 100.0);
         assert!(!own.may_settle(now), "a peer came just now");
         let later = now + SETTLE_QUIET;
         assert!(own.may_settle(later));

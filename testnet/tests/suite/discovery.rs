@@ -309,6 +309,16 @@ async fn a_provider_counts_the_peers_that_hold_its_advert() {
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+    // Each says how its last round went: at least one round, for a network of its three
+    // peers (below 20 peers the estimate is the count itself), which is the network it
+    // sees now.
+    for (i, node) in net.nodes.iter().enumerate() {
+        let status = node.handle.status().await.expect("status");
+        let advert = &status.advert;
+        assert!(advert.rounds >= 1, "node {i}: no round counted: {advert:?}");
+        assert_eq!(advert.network_size_at_last_round, others as f64, "node {i}");
+        assert_eq!(status.network_size_estimate, others as f64, "node {i}");
+    }
     net.shutdown().await;
 }
 
