@@ -22,6 +22,20 @@ fn tcp_addr(port: u16) -> Multiaddr {
     format!("/ip4/127.0.0.1/tcp/{port}").parse().expect("addr")
 }
 
+/// An address of about 100 bytes: five fill most of the byte bound.
+fn long_addr(n: u16) -> Multiaddr {
+    format!("/dns4/{}.example/tcp/{n}", "x".repeat(90))
+        .parse()
+        .expect("addr")
+}
+
+/// An address longer than the byte bound on its own.
+fn huge_addr() -> Multiaddr {
+    format!("/dns4/{}.example/tcp/1", "y".repeat(600))
+        .parse()
+        .expect("addr")
+}
+
 /// A peer that names ever more addresses keeps at most the bound, the first
 /// and the newest; one too long to sit beside the first is refused.
 #[test]
@@ -38,26 +52,19 @@ fn a_peer_naming_ever_more_addresses_keeps_the_first_and_the_newest_within_the_b
     assert_eq!(kept[1], tcp_addr(999 - MAX_PEER_ADDRESSES as u16 + 2));
 
     // Long addresses: the byte bound, not the count, decides.
-    let long = |n: u16| -> Multiaddr {
-        format!("/dns4/{}.example/tcp/{n}", "x".repeat(90))
-            .parse()
-            .expect("addr")
-    };
     let mut addresses = Addresses::new(tcp_addr(1));
     for n in 0..20 {
-        assert!(addresses.insert(long(n)));
+        assert!(addresses.insert(long_addr(n)));
     }
     let kept = addresses.clone().into_vec();
     let bytes: usize = kept.iter().map(|a| a.as_ref().len()).sum();
     assert!(bytes <= MAX_PEER_ADDRESS_BYTES, "{bytes} bytes");
     assert!(kept.len() < MAX_PEER_ADDRESSES && kept.len() > 2);
     assert_eq!(kept[0], tcp_addr(1));
-    assert_eq!(kept[kept.len() - 1], long(19));
+    assert_eq!(kept[kept.len() - 1], long_addr(19));
 
     // Longer than the bound beside the first: refused, nothing changed.
-    let huge: Multiaddr = format!("/dns4/{}.example/tcp/1", "y".repeat(600))
-        .parse()
-        .expect("addr");
+    let huge = huge_addr();
     assert!(!Addresses::fits(&huge));
     assert!(!addresses.insert(huge));
     assert_eq!(addresses.into_vec(), kept);
@@ -67,9 +74,7 @@ fn a_peer_naming_ever_more_addresses_keeps_the_first_and_the_newest_within_the_b
 /// bounds, one too long skipped.
 #[test]
 fn of_the_addresses_named_for_a_peer_the_first_within_the_bound_are_taken() {
-    let huge: Multiaddr = format!("/dns4/{}.example/tcp/1", "y".repeat(600))
-        .parse()
-        .expect("addr");
+    let huge = huge_addr();
     let named: Vec<Multiaddr> = std::iter::once(huge)
         .chain((0..100).map(tcp_addr))
         .collect();
@@ -81,28 +86,23 @@ fn of_the_addresses_named_for_a_peer_the_first_within_the_bound_are_taken() {
 /// has no such address already.
 #[test]
 fn an_address_change_that_would_pass_the_bound_is_not_taken() {
-    let long = |n: u16| -> Multiaddr {
-        format!("/dns4/{}.example/tcp/{n}", "x".repeat(90))
-            .parse()
-            .expect("addr")
-    };
     let mut addresses = Addresses::new(tcp_addr(1));
     for n in 0..4 {
-        assert!(addresses.insert(long(n)));
+        assert!(addresses.insert(long_addr(n)));
     }
     let before = addresses.clone().into_vec();
     let bytes = |a: &[Multiaddr]| a.iter().map(|a| a.as_ref().len()).sum::<usize>();
     // Swapping the short first address for a long one would pass 512 bytes.
     assert!(
-        bytes(&before) - tcp_addr(1).as_ref().len() + long(9).as_ref().len()
+        bytes(&before) - tcp_addr(1).as_ref().len() + long_addr(9).as_ref().len()
             > MAX_PEER_ADDRESS_BYTES
     );
-    assert!(!addresses.replace(&tcp_addr(1), &long(9)));
+    assert!(!addresses.replace(&tcp_addr(1), &long_addr(9)));
     // An address it has already.
-    assert!(!addresses.replace(&tcp_addr(1), &long(2)));
+    assert!(!addresses.replace(&tcp_addr(1), &long_addr(2)));
     assert_eq!(addresses.clone().into_vec(), before);
     // A change within the bound is taken, in place.
-    assert!(addresses.replace(&long(0), &tcp_addr(2)));
+    assert!(addresses.replace(&long_addr(0), &tcp_addr(2)));
     let after = addresses.into_vec();
     assert_eq!(after[1], tcp_addr(2));
     assert!(bytes(&after) <= MAX_PEER_ADDRESS_BYTES);

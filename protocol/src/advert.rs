@@ -554,8 +554,8 @@ mod tests {
         assert_eq!(err, AdvertError::BadLifetime);
     }
 
-    /// An advert naming more addresses than libp2p lets a node have is refused, signed
-    /// or not: requesters would dial each.
+    /// An advert naming more addresses than [`MAX_ADVERT_ADDRS`] (our own bound) is
+    /// refused, though properly signed: requesters would dial each.
     #[test]
     fn an_advert_listing_more_addresses_than_a_node_has_is_refused() {
         let k = Keypair::generate_ed25519();

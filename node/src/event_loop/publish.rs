@@ -70,8 +70,7 @@ const SETTLE_GROWTH: f64 = 1.3;
 /// every settling round had come) 16 to 18 s after the last node had started, 35 to 45 s
 /// from start; with 2 s, 5.6 to 8.6 s after, 27 to 35 s from start, on less CPU and
 /// with the records placed as well; 1 s made more rounds during the joins for no faster
-/// formation (`docs/benchmarks.md`, "Formed once the settling
-/// rounds have come").
+/// formation (`docs/benchmarks.md`, "Formed once the settling rounds have come").
 const SETTLE_QUIET: Duration = Duration::from_secs(2);
 /// How long after the network has grown we publish again, so that a burst of
 /// new peers leads to one round.

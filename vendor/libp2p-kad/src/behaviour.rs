@@ -1245,6 +1245,12 @@ where
         }
     }
 
+    /// gpunode: how many closer peers an answer of ours names (k), and so the most a walk
+    /// takes from one answer (see `discovered`).
+    fn answer_closer_peers(&self) -> usize {
+        self.queries.config().replication_factor.get()
+    }
+
     /// Processes discovered peers from a successful request in an iterative `Query`.
     /// gpunode: the callers pass at most as many peers as an answer of ours names (k
     /// closer peers, and the provider answer limit): an answer may name as many made-up
@@ -2380,7 +2386,7 @@ where
                 query_id,
             } => {
                 // gpunode: no more peers than an answer of ours names (see `discovered`).
-                let k = self.queries.config().replication_factor.get();
+                let k = self.answer_closer_peers();
                 self.discovered(&query_id, &source, closer_peers.iter().take(k));
             }
 
@@ -2415,7 +2421,7 @@ where
                 query_id,
             } => {
                 // gpunode: no more peers than an answer of ours names (see `discovered`).
-                let k = self.queries.config().replication_factor.get();
+                let k = self.answer_closer_peers();
                 let limit = self
                     .queries
                     .config()
@@ -2563,7 +2569,7 @@ where
                 }
 
                 // gpunode: no more peers than an answer of ours names (see `discovered`).
-                let k = self.queries.config().replication_factor.get();
+                let k = self.answer_closer_peers();
                 self.discovered(&query_id, &source, closer_peers.iter().take(k));
             }
 
